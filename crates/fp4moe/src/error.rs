@@ -1,0 +1,50 @@
+//! The library's error type: one enum over the per-stage errors, each keeping its fields.
+
+use crate::format::FormatError;
+use crate::layout::InexactFold;
+use crate::spec::SpecError;
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Fold(#[from] InexactFold),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not a valid safetensors file: {message}")]
+    Safetensors { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("no backend supports this layer:\n{}", .reasons.iter().map(|(b, r)| format!("  - {b}: {r}")).collect::<Vec<_>>().join("\n"))]
+    NoBackend { reasons: Vec<(String, String)> },
+    #[error("backend `{backend}` does not support this layer: {reason}")]
+    Unsupported { backend: String, reason: String },
+    #[error("argument `{name}`: {message}")]
+    Argument { name: &'static str, message: String },
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn arg(name: &'static str, message: impl Into<String>) -> Self {
+        Error::Argument {
+            name,
+            message: message.into(),
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

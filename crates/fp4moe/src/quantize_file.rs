@@ -1,0 +1,87 @@
+//! `quantize-tensors`: every 2-D BF16/F32 tensor `NAME` of a safetensors file becomes
+//! `NAME.weight` (U8 `[r, c/2]`), `NAME.weight_scale` (F8_E4M3 `[r, c/16]`) and
+//! `NAME.weight_scale_2` (F32, 0-d) with the ModelOpt recipe. A trailing `.weight` in `NAME` is
+//! dropped first, so `x.up_proj.weight` becomes `x.up_proj.weight{,_scale,_scale_2}` as in
+//! ModelOpt checkpoints. Any other tensor (other dtype or rank, columns not a multiple of 16,
+//! non-finite values) is an error naming it; nothing is written then.
+
+use crate::error::{Error, Result};
+use crate::format::Nvfp4Tensor;
+use crate::tensor_io::{self, OwnedTensor, TensorReader};
+use rayon::prelude::*;
+use safetensors::tensor::Dtype;
+use std::path::Path;
+
+/// One quantized tensor's summary.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Quantized {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub scale_2: f32,
+}
+
+/// Quantizes `input` into `output` (written atomically).
+pub fn quantize_tensors(input: &Path, output: &Path) -> Result<Vec<Quantized>> {
+    let bytes = tensor_io::read_file(input)?;
+    let r = TensorReader::new(input, &bytes)?;
+    let names = r.names();
+    let mut bad = Vec::new();
+    for n in &names {
+        let v = r.view(n)?;
+        if !matches!(v.dtype(), Dtype::BF16 | Dtype::F32) || v.shape().len() != 2 {
+            bad.push(format!("`{n}` ({} {:?})", v.dtype(), v.shape()));
+        }
+    }
+    if !bad.is_empty() {
+        return Err(Error::File {
+            path: input.to_path_buf(),
+            message: format!(
+                "only 2-D BF16/F32 tensors can be quantized; not: {}",
+                bad.join(", ")
+            ),
+        });
+    }
+    let results: Vec<Result<(Quantized, Nvfp4Tensor)>> = names
+        .par_iter()
+        .map(|n| {
+            let (data, shape) = r.f32_any(n)?;
+            let t =
+                Nvfp4Tensor::quantize(n, &data, shape[0], shape[1]).map_err(|e| Error::File {
+                    path: input.to_path_buf(),
+                    message: e.to_string(),
+                })?;
+            let base = n.strip_suffix(".weight").unwrap_or(n).to_string();
+            Ok((
+                Quantized {
+                    name: base,
+                    rows: shape[0],
+                    cols: shape[1],
+                    scale_2: t.scale_2,
+                },
+                t,
+            ))
+        })
+        .collect();
+    let mut out = Vec::new();
+    let mut summary = Vec::new();
+    for res in results {
+        let (q, t) = res?;
+        let b = &q.name;
+        out.push((
+            format!("{b}.weight"),
+            OwnedTensor::bytes(Dtype::U8, vec![q.rows, q.cols / 2], t.packed),
+        ));
+        out.push((
+            format!("{b}.weight_scale"),
+            OwnedTensor::bytes(Dtype::F8_E4M3, vec![q.rows, q.cols / 16], t.scales),
+        ));
+        out.push((
+            format!("{b}.weight_scale_2"),
+            OwnedTensor::f32(vec![], &[t.scale_2]),
+        ));
+        summary.push(q);
+    }
+    tensor_io::write_tensors(output, &out, None)?;
+    Ok(summary)
+}
