@@ -1,1 +1,221 @@
-fn main() {}
+//! `fp4moe`: run NVFP4 MoE layers from the command line.
+
+mod demo;
+mod progress;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use fp4moe::moe::relative_l2;
+use fp4moe::{layer_file, quantize_file, Backend, BackendChoice, MoeLayer};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "fp4moe",
+    version,
+    about = "NVFP4 Mixture-of-Experts layers: exact reference, fast CPU path"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub(crate) enum BackendArg {
+    Auto,
+    Reference,
+    Cpu,
+}
+
+impl BackendArg {
+    pub(crate) fn choice(self) -> BackendChoice {
+        match self {
+            BackendArg::Auto => BackendChoice::Auto,
+            BackendArg::Reference => BackendChoice::Use(Backend::Reference),
+            BackendArg::Cpu => BackendChoice::Use(Backend::Cpu),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub(crate) enum PresetArg {
+    #[value(name = "nemotron3-nano")]
+    Nemotron3Nano,
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3_30bA3b,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build a synthetic NVFP4 layer of a real model's shape, run a batch through the best
+    /// backend, check tokens against the reference backend and print timings and floors.
+    Demo {
+        #[arg(long, value_enum, default_value = "nemotron3-nano")]
+        preset: PresetArg,
+        /// Tokens in the batch.
+        #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+        tokens: u64,
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: BackendArg,
+        /// Seed of the synthetic weights and tokens.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Tokens checked against the reference backend.
+        #[arg(long, default_value_t = 4)]
+        check_tokens: usize,
+    },
+    /// Run one layer stored in the golden `moe_*` layout (the repro format for bug reports).
+    RunLayer {
+        #[arg(long)]
+        file: PathBuf,
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: BackendArg,
+        /// Writes `output` f32 [T, H], `topk_ids` i32 [T, k], `topk_weights` f32 [T, k].
+        #[arg(long)]
+        output: Option<PathBuf>,
+        /// Replace an existing output file.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Quantize every 2-D BF16/F32 tensor of a safetensors file to NVFP4 (ModelOpt recipe).
+    QuantizeTensors {
+        #[arg(long)]
+        input: PathBuf,
+        #[arg(long)]
+        output: PathBuf,
+        /// Replace an existing output file.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+fn check_output(input: Option<&Path>, output: &Path, force: bool) -> Result<()> {
+    if let Some(i) = input {
+        if i == output
+            || (output.exists()
+                && std::fs::canonicalize(i).ok() == std::fs::canonicalize(output).ok())
+        {
+            bail!(
+                "--output {} is the input file; inputs are never modified",
+                output.display()
+            );
+        }
+    }
+    if output.exists() && !force {
+        bail!(
+            "--output {} exists; pass --force to replace it",
+            output.display()
+        );
+    }
+    Ok(())
+}
+
+fn run_layer(file: &Path, backend: BackendArg, output: Option<&Path>, force: bool) -> Result<()> {
+    if let Some(o) = output {
+        check_output(Some(file), o, force)?;
+    }
+    let lf = layer_file::read(file)?;
+    let layer = MoeLayer::new(lf.spec, lf.weights.clone(), backend.choice())
+        .with_context(|| format!("{}: cannot set up the layer", file.display()))?;
+    let t0 = std::time::Instant::now();
+    let (out, topk) = layer.run(&lf.x, lf.router_logits.as_deref())?;
+    let elapsed = t0.elapsed();
+    let s = &lf.spec;
+    println!(
+        "{}: {} ({}), {}, H {} I {} E {} top-{}, {} tokens",
+        lf.name,
+        s.activation,
+        if s.activation.is_gated() {
+            "gated"
+        } else {
+            "non-gated"
+        },
+        s.quant,
+        s.shape.hidden,
+        s.shape.intermediate,
+        s.shape.experts,
+        s.routing.top_k,
+        lf.tokens
+    );
+    println!(
+        "backend {}: {:.3} ms",
+        layer.backend(),
+        elapsed.as_secs_f64() * 1e3
+    );
+    if let Some(ids) = &lf.expected.topk_ids {
+        let same = ids == &topk.ids;
+        println!(
+            "routing ids: {}",
+            if same {
+                "match expected_topk_ids"
+            } else {
+                "DIFFER from expected_topk_ids"
+            }
+        );
+    }
+    if let Some(want) = &lf.expected.output {
+        println!(
+            "relative L2 error vs expected_output: {:.3e}",
+            relative_l2(&out, want)
+        );
+    }
+    if out.iter().any(|v| !v.is_finite()) {
+        bail!("the output holds non-finite values");
+    }
+    if let Some(o) = output {
+        layer_file::write_outputs(o, &out, &topk, s.shape.hidden)?;
+        println!("wrote {}", o.display());
+    }
+    Ok(())
+}
+
+fn quantize_tensors(input: &Path, output: &Path, force: bool) -> Result<()> {
+    check_output(Some(input), output, force)?;
+    let summary = progress::step("quantizing tensors", || {
+        quantize_file::quantize_tensors(input, output)
+    })?;
+    for q in &summary {
+        println!(
+            "{:<48} [{}, {}]  scale_2 {:.6e}",
+            q.name, q.rows, q.cols, q.scale_2
+        );
+    }
+    println!(
+        "wrote {} ({} tensors quantized)",
+        output.display(),
+        summary.len()
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo {
+            preset,
+            tokens,
+            backend,
+            seed,
+            check_tokens,
+        } => demo::run(preset, tokens as usize, backend, seed, check_tokens),
+        Command::RunLayer {
+            file,
+            backend,
+            output,
+            force,
+        } => run_layer(&file, backend, output.as_deref(), force),
+        Command::QuantizeTensors {
+            input,
+            output,
+            force,
+        } => quantize_tensors(&input, &output, force),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

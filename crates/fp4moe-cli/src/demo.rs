@@ -1,0 +1,193 @@
+//! `fp4moe demo`: a synthetic layer of a real model's shape, run through the best backend and
+//! checked against the reference backend, with the DESIGN 5 memory floor of this machine.
+
+use crate::progress::step;
+use crate::{BackendArg, PresetArg};
+use anyhow::{Context, Result};
+use fp4moe::moe::relative_l2;
+use fp4moe::spec::{QuantMode, Scoring};
+use fp4moe::synthetic::{random_tokens, random_weights, Preset};
+use fp4moe::{Backend, BackendChoice, MoeLayer, Workspace};
+use rayon::prelude::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn preset(p: PresetArg) -> Preset {
+    match p {
+        PresetArg::Nemotron3Nano => Preset::Nemotron3Nano,
+        PresetArg::Qwen3_30bA3b => Preset::Qwen3_30bA3b,
+    }
+}
+
+/// Read+write bandwidth of a parallel 256 MiB copy, best of a few, in bytes/s.
+fn copy_bandwidth() -> f64 {
+    const N: usize = 256 << 20;
+    let src = vec![1u8; N];
+    let mut dst = vec![0u8; N];
+    let chunk = N / rayon::current_num_threads().max(1) / 4;
+    let mut best = f64::MAX;
+    for _ in 0..4 {
+        let t = Instant::now();
+        dst.par_chunks_mut(chunk.max(1))
+            .zip(src.par_chunks(chunk.max(1)))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    2.0 * N as f64 / best
+}
+
+fn fmt_time(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{:.1} µs", s * 1e6)
+    }
+}
+
+pub(crate) fn run(
+    p: PresetArg,
+    tokens: usize,
+    backend: BackendArg,
+    seed: u64,
+    check_tokens: usize,
+) -> Result<()> {
+    let preset = preset(p);
+    let spec = preset.spec(QuantMode::W4A16);
+    let s = spec.shape;
+    let r = spec.routing;
+    let routing = match (r.scoring, preset) {
+        (Scoring::Sigmoid, _) => "sigmoid + bias",
+        (Scoring::Softmax, _) => "softmax",
+    };
+    println!(
+        "fp4moe demo: {} (H {}, I {}, E {}, top-{}, {} {}, {}{}, rsf {}), {}, {} tokens, seed {}",
+        preset.name(),
+        s.hidden,
+        s.intermediate,
+        s.experts,
+        r.top_k,
+        spec.activation,
+        if spec.activation.is_gated() {
+            "gated"
+        } else {
+            "non-gated"
+        },
+        routing,
+        if r.renormalize { ", renormalized" } else { "" },
+        r.routed_scaling_factor,
+        spec.quant,
+        tokens,
+        seed
+    );
+
+    let t0 = Instant::now();
+    let weights = step("quantizing random bf16 weights (ModelOpt recipe)", || {
+        random_weights(&spec, seed)
+    })?;
+    let weights = Arc::new(weights);
+    println!(
+        "built the layer in {}: {:.1} MB of NVFP4 expert weights",
+        fmt_time(t0.elapsed()),
+        (s.experts * (weights.w13.expert_bytes() + weights.w2.expert_bytes())) as f64 / 1e6
+    );
+    let x = random_tokens(tokens, s.hidden, seed);
+    let layer = MoeLayer::new(spec, weights.clone(), backend.choice())?;
+    let topk = layer.route(&x, None)?;
+    let mut touched = vec![false; s.experts];
+    topk.ids.iter().for_each(|&e| touched[e as usize] = true);
+    let touched = touched.iter().filter(|&&t| t).count();
+    let bytes = touched * (weights.w13.expert_bytes() + weights.w2.expert_bytes());
+
+    let mut out = vec![0.0f32; tokens * s.hidden];
+    let mut ws = Workspace::default();
+    let mut times = Vec::new();
+    step(
+        &format!("running {tokens} tokens on {}", layer.backend()),
+        || -> Result<()> {
+            // First call grows the workspace; later calls are timed. Stop early when calls are slow.
+            let warm = Instant::now();
+            layer.forward(&x, &topk, &mut out, &mut ws)?;
+            let warm = warm.elapsed();
+            let reps = if warm > Duration::from_secs(2) { 0 } else { 3 };
+            for _ in 0..reps {
+                let t = Instant::now();
+                layer.forward(&x, &topk, &mut out, &mut ws)?;
+                times.push(t.elapsed());
+            }
+            if times.is_empty() {
+                times.push(warm);
+            }
+            Ok(())
+        },
+    )?;
+    times.sort();
+    let median = times[times.len() / 2];
+    anyhow::ensure!(
+        out.iter().all(|v| v.is_finite()),
+        "the output holds non-finite values"
+    );
+
+    let n = check_tokens.min(tokens);
+    let err = if n > 0 {
+        let reference = MoeLayer::new(
+            spec,
+            weights.clone(),
+            BackendChoice::Use(Backend::Reference),
+        )?;
+        let xs = &x[..n * s.hidden];
+        let (want, _) = step(
+            &format!("checking {n} tokens against the reference backend"),
+            || reference.run(xs, None),
+        )
+        .context("reference check")?;
+        Some(relative_l2(&out[..n * s.hidden], &want))
+    } else {
+        None
+    };
+
+    let bw = step("measuring copy bandwidth", copy_bandwidth);
+    let floor = Duration::from_secs_f64(bytes as f64 / bw);
+    println!(
+        "machine: {} threads, copy bandwidth {:.1} GB/s (read+write); workspace {:.1} MB",
+        rayon::current_num_threads(),
+        bw / 1e9,
+        layer.workspace_bytes(tokens) as f64 / 1e6
+    );
+    println!();
+    println!(
+        "{:<10} {:>7} {:>9} {:>13} {:>11} {:>13} {:>11}  {}",
+        "backend",
+        "tokens",
+        "experts",
+        "weights read",
+        "time",
+        "memory floor",
+        "time/floor",
+        "rel. error vs reference"
+    );
+    println!(
+        "{:<10} {:>7} {:>9} {:>10.1} MB {:>11} {:>13} {:>10.1}x  {}",
+        layer.backend().name(),
+        tokens,
+        touched,
+        bytes as f64 / 1e6,
+        fmt_time(median),
+        fmt_time(floor),
+        median.as_secs_f64() / floor.as_secs_f64(),
+        match err {
+            Some(e) => format!("{e:.2e} ({n} tokens; tolerance 1e-2)"),
+            None => "not checked".into(),
+        }
+    );
+    if let Some(e) = err {
+        anyhow::ensure!(
+            e <= 1e-2,
+            "relative error {e:e} against the reference backend exceeds 1e-2"
+        );
+    }
+    Ok(())
+}
