@@ -159,7 +159,7 @@ pub(crate) fn run(
     );
     println!();
     println!(
-        "{:<10} {:>7} {:>9} {:>13} {:>11} {:>13} {:>11}  {}",
+        "{:<10} {:>7} {:>9} {:>13} {:>11} {:>13} {:>11}  rel. error vs reference",
         "backend",
         "tokens",
         "experts",
@@ -167,7 +167,6 @@ pub(crate) fn run(
         "time",
         "memory floor",
         "time/floor",
-        "rel. error vs reference"
     );
     println!(
         "{:<10} {:>7} {:>9} {:>10.1} MB {:>11} {:>13} {:>10.1}x  {}",

@@ -1,0 +1,350 @@
+//! The `fp4moe` binary end to end: successful runs and bad input (clear message naming the
+//! file and tensor, non-zero exit, no panic, nothing half-written).
+
+use fp4moe::format::Nvfp4Tensor;
+use fp4moe::tensor_io::{read_file, write_tensors, OwnedTensor, TensorReader};
+use safetensors::tensor::Dtype;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn golden(name: &str) -> PathBuf {
+    let dir = match std::env::var_os("FP4MOE_GOLDEN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden"),
+    };
+    let p = dir.join(name);
+    assert!(
+        p.is_file(),
+        "golden file {} missing (set FP4MOE_GOLDEN_DIR)",
+        p.display()
+    );
+    p
+}
+
+fn fp4moe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fp4moe"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Fails on a non-zero exit with a message, and on any sign of a panic.
+fn expect_error(o: &Output, needles: &[&str]) {
+    let t = text(o);
+    assert!(!o.status.success(), "expected failure, got success:\n{t}");
+    assert_eq!(o.status.code(), Some(1), "exit code:\n{t}");
+    assert!(!t.contains("panicked"), "panic:\n{t}");
+    for n in needles {
+        assert!(t.contains(n), "message lacks `{n}`:\n{t}");
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn run_layer_on_a_golden_case_writes_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.safetensors");
+    let case = golden("moe_relu2_w4a4_sigmoid_bias.safetensors");
+    let o = fp4moe(&[
+        "run-layer",
+        "--file",
+        s(&case),
+        "--backend",
+        "cpu",
+        "--output",
+        s(&out),
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("routing ids: match expected_topk_ids"), "{t}");
+    assert!(t.contains("relu2_no_mul (non-gated)"), "{t}");
+    let bytes = read_file(&out).unwrap();
+    let r = TensorReader::new(&out, &bytes).unwrap();
+    let got = r.f32("output", &[5, 64]).unwrap();
+    let ids = r.i32("topk_ids", &[5, 2]).unwrap();
+    let cb = read_file(&case).unwrap();
+    let c = TensorReader::new(&case, &cb).unwrap();
+    assert_eq!(ids, c.i32("expected_topk_ids", &[5, 2]).unwrap());
+    let want = c.f32("expected_output", &[5, 64]).unwrap();
+    assert!(fp4moe::moe::relative_l2(&got, &want) < 1e-2);
+    // Refuses to overwrite without --force.
+    let o = fp4moe(&["run-layer", "--file", s(&case), "--output", s(&out)]);
+    expect_error(&o, &["exists", "--force"]);
+}
+
+#[test]
+fn run_layer_bad_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.safetensors");
+    expect_error(
+        &fp4moe(&["run-layer", "--file", s(&missing)]),
+        &["nope.safetensors"],
+    );
+
+    let good = std::fs::read(golden("moe_silu_w4a16_softmax.safetensors")).unwrap();
+    let cut = dir.path().join("truncated.safetensors");
+    std::fs::write(&cut, &good[..good.len() - 100]).unwrap();
+    expect_error(
+        &fp4moe(&["run-layer", "--file", s(&cut)]),
+        &["truncated.safetensors", "not a valid safetensors"],
+    );
+
+    // Wrong dtype and wrong shape, each naming the tensor.
+    let bytes = read_file(&golden("moe_silu_w4a16_softmax.safetensors")).unwrap();
+    let path = golden("moe_silu_w4a16_softmax.safetensors");
+    let r = TensorReader::new(&path, &bytes).unwrap();
+    let mut tensors: Vec<(String, OwnedTensor)> = r
+        .names()
+        .into_iter()
+        .map(|n| {
+            let v = r.view(&n).unwrap();
+            (
+                n,
+                OwnedTensor::bytes(v.dtype(), v.shape().to_vec(), v.data().to_vec()),
+            )
+        })
+        .collect();
+    let meta = Some(std::collections::HashMap::from([(
+        "case".to_string(),
+        r.metadata("case").unwrap().to_string(),
+    )]));
+    let edit = |name: &str,
+                f: &dyn Fn(&mut OwnedTensor),
+                file: &str,
+                tensors: &mut Vec<(String, OwnedTensor)>| {
+        let mut t2 = tensors.clone();
+        let t = t2.iter_mut().find(|(n, _)| n == name).unwrap();
+        f(&mut t.1);
+        let p = dir.path().join(file);
+        write_tensors(&p, &t2, meta.clone()).unwrap();
+        p
+    };
+    let p = edit(
+        "w2_weight_scale_2",
+        &|t| {
+            t.dtype = Dtype::I32;
+        },
+        "dtype.safetensors",
+        &mut tensors,
+    );
+    expect_error(
+        &fp4moe(&["run-layer", "--file", s(&p)]),
+        &["dtype.safetensors", "w2_weight_scale_2", "dtype"],
+    );
+    let p = edit(
+        "x",
+        &|t| {
+            t.shape = vec![t.shape[0] * 2, t.shape[1] / 2];
+        },
+        "shape.safetensors",
+        &mut tensors,
+    );
+    expect_error(
+        &fp4moe(&["run-layer", "--file", s(&p)]),
+        &["shape.safetensors", "`x`", "shape"],
+    );
+    let p = edit(
+        "x",
+        &|t| {
+            t.data[0..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        },
+        "nan.safetensors",
+        &mut tensors,
+    );
+    expect_error(
+        &fp4moe(&["run-layer", "--file", s(&p)]),
+        &["`x`", "non-finite"],
+    );
+    let p = edit(
+        "w13_weight_scale",
+        &|t| {
+            t.data[5] = 0x7F;
+        },
+        "nanscale.safetensors",
+        &mut tensors,
+    );
+    expect_error(
+        &fp4moe(&["run-layer", "--file", s(&p)]),
+        &["w13_weight_scale", "0x7f"],
+    );
+}
+
+fn write_input(path: &Path, tensors: Vec<(String, OwnedTensor)>) {
+    write_tensors(path, &tensors, None).unwrap();
+}
+
+fn matrix(rows: usize, cols: usize, seed: u32) -> Vec<f32> {
+    (0..rows * cols)
+        .map(|i| {
+            half::bf16::from_f32(
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 500.0
+                    - 2.0,
+            )
+            .to_f32()
+        })
+        .collect()
+}
+
+#[test]
+fn quantize_tensors_matches_the_library_quantizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.safetensors");
+    let output = dir.path().join("out.safetensors");
+    let a = matrix(8, 64, 1);
+    let b = matrix(4, 32, 2);
+    let a_bf16: Vec<half::bf16> = a.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    write_input(
+        &input,
+        vec![
+            (
+                "layers.0.up_proj.weight".into(),
+                OwnedTensor::bf16(vec![8, 64], &a_bf16),
+            ),
+            ("layers.0.down".into(), OwnedTensor::f32(vec![4, 32], &b)),
+        ],
+    );
+    let before = std::fs::read(&input).unwrap();
+    let o = fp4moe(&[
+        "quantize-tensors",
+        "--input",
+        s(&input),
+        "--output",
+        s(&output),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(std::fs::read(&input).unwrap(), before, "input modified");
+    let bytes = read_file(&output).unwrap();
+    let r = TensorReader::new(&output, &bytes).unwrap();
+    for (name, data, rows, cols) in [
+        ("layers.0.up_proj", &a, 8, 64),
+        ("layers.0.down", &b, 4, 32),
+    ] {
+        let t = Nvfp4Tensor::quantize(name, data, rows, cols).unwrap();
+        assert_eq!(
+            r.bytes(&format!("{name}.weight"), &[rows, cols / 2], &[Dtype::U8])
+                .unwrap(),
+            t.packed
+        );
+        assert_eq!(
+            r.bytes(
+                &format!("{name}.weight_scale"),
+                &[rows, cols / 16],
+                &[Dtype::F8_E4M3]
+            )
+            .unwrap(),
+            t.scales
+        );
+        assert_eq!(
+            r.shape(&format!("{name}.weight_scale_2")).unwrap(),
+            Vec::<usize>::new()
+        );
+        assert_eq!(
+            r.scalar_f32(&format!("{name}.weight_scale_2")).unwrap(),
+            t.scale_2
+        );
+    }
+}
+
+#[test]
+fn quantize_tensors_bad_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("out.safetensors");
+    // A 1-D tensor is named in the error and nothing is written.
+    let input = dir.path().join("bias.safetensors");
+    write_input(
+        &input,
+        vec![
+            ("w".into(), OwnedTensor::f32(vec![2, 16], &matrix(2, 16, 3))),
+            ("b".into(), OwnedTensor::f32(vec![16], &matrix(1, 16, 4))),
+        ],
+    );
+    expect_error(
+        &fp4moe(&[
+            "quantize-tensors",
+            "--input",
+            s(&input),
+            "--output",
+            s(&output),
+        ]),
+        &["`b`", "bias.safetensors"],
+    );
+    assert!(!output.exists());
+    // NaN: tensor and index named.
+    let mut m = matrix(2, 32, 5);
+    m[40] = f32::NAN;
+    let input = dir.path().join("nan.safetensors");
+    write_input(
+        &input,
+        vec![("w".into(), OwnedTensor::f32(vec![2, 32], &m))],
+    );
+    expect_error(
+        &fp4moe(&[
+            "quantize-tensors",
+            "--input",
+            s(&input),
+            "--output",
+            s(&output),
+        ]),
+        &["`w`", "[1, 8]", "non-finite"],
+    );
+    // Columns not a multiple of 16.
+    let input = dir.path().join("cols.safetensors");
+    write_input(
+        &input,
+        vec![("w".into(), OwnedTensor::f32(vec![2, 24], &matrix(2, 24, 6)))],
+    );
+    expect_error(
+        &fp4moe(&[
+            "quantize-tensors",
+            "--input",
+            s(&input),
+            "--output",
+            s(&output),
+        ]),
+        &["`w`", "multiple of 16"],
+    );
+    assert!(!output.exists());
+    // The input itself as output.
+    expect_error(
+        &fp4moe(&[
+            "quantize-tensors",
+            "--input",
+            s(&input),
+            "--output",
+            s(&input),
+        ]),
+        &["is the input file"],
+    );
+    // Missing input.
+    expect_error(
+        &fp4moe(&[
+            "quantize-tensors",
+            "--input",
+            "/nonexistent/x.safetensors",
+            "--output",
+            s(&output),
+        ]),
+        &["/nonexistent/x.safetensors"],
+    );
+}
+
+#[test]
+fn demo_rejects_bad_arguments() {
+    let o = fp4moe(&["demo", "--tokens", "0"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--tokens"));
+    let o = fp4moe(&["demo", "--preset", "llama"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("nemotron3-nano"));
+}
