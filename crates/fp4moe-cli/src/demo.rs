@@ -160,13 +160,7 @@ pub(crate) fn run(
     println!();
     println!(
         "{:<10} {:>7} {:>9} {:>13} {:>11} {:>13} {:>11}  rel. error vs reference",
-        "backend",
-        "tokens",
-        "experts",
-        "weights read",
-        "time",
-        "memory floor",
-        "time/floor",
+        "backend", "tokens", "experts", "weights read", "time", "memory floor", "time/floor",
     );
     println!(
         "{:<10} {:>7} {:>9} {:>10.1} MB {:>11} {:>13} {:>10.1}x  {}",

@@ -93,7 +93,11 @@ pub fn route(logits: &[f32], experts: usize, cfg: &RoutingConfig, bias: Option<&
         }
         top_indices(&biased, k, &mut order);
         let sum: f32 = order.iter().map(|&e| scores[e]).sum();
-        let sum = if cfg.renormalize && sum != 0.0 { sum } else { 1.0 };
+        let sum = if cfg.renormalize && sum != 0.0 {
+            sum
+        } else {
+            1.0
+        };
         for &e in &order {
             ids.push(e as i32);
             weights.push(scores[e] / sum * cfg.routed_scaling_factor);
