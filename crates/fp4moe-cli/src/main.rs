@@ -1,5 +1,6 @@
 //! `fp4moe`: run NVFP4 MoE layers from the command line.
 
+mod bench;
 mod demo;
 mod progress;
 
@@ -26,6 +27,7 @@ pub(crate) enum BackendArg {
     Auto,
     Reference,
     Cpu,
+    Cuda,
 }
 
 impl BackendArg {
@@ -34,6 +36,7 @@ impl BackendArg {
             BackendArg::Auto => BackendChoice::Auto,
             BackendArg::Reference => BackendChoice::Use(Backend::Reference),
             BackendArg::Cpu => BackendChoice::Use(Backend::Cpu),
+            BackendArg::Cuda => BackendChoice::Use(Backend::Cuda),
         }
     }
 }
@@ -77,6 +80,30 @@ enum Command {
         /// Replace an existing output file.
         #[arg(long)]
         force: bool,
+    },
+    /// Time the layer per batch size against the DESIGN 5 memory and compute floors.
+    Bench {
+        #[arg(long, value_enum, default_value = "nemotron3-nano")]
+        preset: PresetArg,
+        /// Batch sizes.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,64,256,1024,4096")]
+        tokens: Vec<usize>,
+        #[arg(long, value_enum, default_value = "w4a16")]
+        mode: bench::ModeArg,
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: BackendArg,
+        /// Also write the results as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Compile every CUDA kernel with NVRTC (no GPU needed) and print registers, shared memory
+    /// and spills per kernel; fails on any spill.
+    CompileKernels {
+        /// Architectures, e.g. sm_90a,sm_80.
+        #[arg(long, value_delimiter = ',', default_value = "sm_90a,sm_80")]
+        arch: Vec<String>,
     },
     /// Quantize every 2-D BF16/F32 tensor of a safetensors file to NVFP4 (ModelOpt recipe).
     QuantizeTensors {
@@ -189,6 +216,29 @@ fn quantize_tensors(input: &Path, output: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
+fn compile_kernels(archs: &[String]) -> Result<()> {
+    let (major, minor) = fp4moe::cuda::nvrtc_version().map_err(anyhow::Error::msg)?;
+    println!("NVRTC {major}.{minor}, headers from {}", fp4moe::cuda::include_dir().map(|d| d.display().to_string()).unwrap_or_else(|| "?".into()));
+    let mut spills = Vec::new();
+    for arch in archs {
+        let compiled = progress::step(&format!("compiling kernels for {arch}"), || fp4moe::cuda::compile_all(arch))?;
+        println!("\n{arch}:");
+        println!("{:<28} {:>5} {:>10} {:>7} {:>12}", "kernel", "regs", "smem (B)", "stack", "spill st/ld");
+        for c in &compiled {
+            for k in fp4moe::cuda::parse_ptxas(&c.log) {
+                println!("{:<28} {:>5} {:>10} {:>7} {:>6}/{:<5}", k.kernel, k.registers, k.shared_bytes, k.stack_bytes, k.spill_stores, k.spill_loads);
+                if k.spill_stores > 0 || k.spill_loads > 0 {
+                    spills.push(format!("{arch} {}", k.kernel));
+                }
+            }
+        }
+    }
+    if !spills.is_empty() {
+        bail!("register spills in: {}", spills.join(", "));
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -210,6 +260,22 @@ fn main() -> ExitCode {
             output,
             force,
         } => quantize_tensors(&input, &output, force),
+        Command::CompileKernels { arch } => compile_kernels(&arch),
+        Command::Bench {
+            preset,
+            tokens,
+            mode,
+            backend,
+            json,
+            seed,
+        } => bench::run(bench::Args {
+            preset,
+            tokens,
+            mode,
+            backend,
+            json,
+            seed,
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

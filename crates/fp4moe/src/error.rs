@@ -27,6 +27,10 @@ pub enum Error {
     NoBackend { reasons: Vec<(String, String)> },
     #[error("backend `{backend}` does not support this layer: {reason}")]
     Unsupported { backend: String, reason: String },
+    #[error("CUDA is not available: {reason}")]
+    CudaUnavailable { reason: String },
+    #[error("CUDA {stage}: {message}")]
+    Cuda { stage: &'static str, message: String },
     #[error("argument `{name}`: {message}")]
     Argument { name: &'static str, message: String },
 }

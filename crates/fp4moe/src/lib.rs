@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod calibration;
 mod cpu;
+pub mod cuda;
 pub mod error;
 pub mod format;
 pub mod layer_file;

@@ -163,8 +163,26 @@ impl MoeLayer {
         self.experts.forward(x, topk, out, ws)
     }
 
-    /// Routes and runs `x`, allocating the output and a workspace.
+    /// Routes and runs `x`, allocating the output and a workspace. Backends with a device route
+    /// there (the GPU computes the router logits too when none are given).
     pub fn run(&self, x: &[f32], logits: Option<&[f32]>) -> Result<(Vec<f32>, TopK)> {
+        if self.experts.routes_on_device() {
+            let tokens = self.tokens_of(x)?;
+            let e = self.spec.shape.experts;
+            match logits {
+                Some(l) if l.len() != tokens * e => {
+                    return Err(Error::arg("router_logits", format!("expected {tokens} x {e} = {} values, got {}", tokens * e, l.len())))
+                }
+                Some(l) => check_finite("router_logits", l, e)?,
+                None if self.weights.router.is_none() => {
+                    return Err(Error::arg("router_logits", "the layer has no router weight: pass router logits"))
+                }
+                None => {}
+            }
+            let mut out = vec![0.0f32; x.len()];
+            let topk = self.experts.run_routed(x, logits, &mut out)?;
+            return Ok((out, topk));
+        }
         let topk = self.route(x, logits)?;
         let mut out = vec![0.0f32; x.len()];
         let mut ws = Workspace::default();

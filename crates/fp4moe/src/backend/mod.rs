@@ -28,16 +28,19 @@ pub enum Backend {
     Reference,
     /// The fast multi-threaded CPU path (f32 accumulation, bf16 intermediates).
     Cpu,
+    /// NVIDIA GPUs (Ampere and newer; Hopper sm_90a first) through NVRTC-compiled kernels.
+    Cuda,
 }
 
 impl Backend {
     /// Candidates of `auto`, best first.
-    pub const AUTO_ORDER: [Backend; 2] = [Backend::Cpu, Backend::Reference];
+    pub const AUTO_ORDER: [Backend; 3] = [Backend::Cuda, Backend::Cpu, Backend::Reference];
 
     pub fn name(self) -> &'static str {
         match self {
             Backend::Reference => "reference",
             Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
         }
     }
 
@@ -55,13 +58,34 @@ impl Backend {
                 w4a4_dynamic: true,
                 shared_expert: true,
                 expert_parallel: false,
+                max_experts: None,
+                max_top_k: None,
+                max_groups: None,
+            },
+            Backend::Cuda => Capabilities {
+                device: DeviceKind::Cuda,
+                activations: &Activation::ALL,
+                w4a16: true,
+                w4a4_static: true,
+                w4a4_dynamic: true,
+                shared_expert: true,
+                expert_parallel: false,
+                max_experts: Some(crate::cuda::MAX_EXPERTS),
+                max_top_k: Some(crate::cuda::MAX_TOP_K),
+                max_groups: Some(crate::cuda::MAX_GROUPS),
             },
         }
     }
 
     /// Whether this backend can run here at all (a driver, a device).
     pub fn availability(self) -> std::result::Result<(), String> {
-        Ok(())
+        match self {
+            Backend::Reference | Backend::Cpu => Ok(()),
+            Backend::Cuda => crate::cuda::device().map(|_| ()).map_err(|e| match e {
+                Error::CudaUnavailable { reason } => reason,
+                other => other.to_string(),
+            }),
+        }
     }
 
     pub(crate) fn prepare(
@@ -72,6 +96,7 @@ impl Backend {
         Ok(match self {
             Backend::Reference => Box::new(crate::reference::ReferenceExperts::new(spec, weights)?),
             Backend::Cpu => Box::new(crate::cpu::CpuExperts::new(spec, weights)?),
+            Backend::Cuda => Box::new(crate::cuda::CudaExperts::new(spec, weights)?),
         })
     }
 }
@@ -92,6 +117,10 @@ pub struct Capabilities {
     pub w4a4_dynamic: bool,
     pub shared_expert: bool,
     pub expert_parallel: bool,
+    /// Largest expert count, top-k and group count the backend's kernels handle.
+    pub max_experts: Option<usize>,
+    pub max_top_k: Option<usize>,
+    pub max_groups: Option<usize>,
 }
 
 impl Capabilities {
@@ -116,6 +145,18 @@ impl Capabilities {
         }
         if spec.shared_intermediate.is_some() && !self.shared_expert {
             return Err("shared experts are not supported".into());
+        }
+        let limits = [
+            ("experts", spec.shape.experts, self.max_experts),
+            ("top_k", spec.routing.top_k, self.max_top_k),
+            ("n_group", spec.routing.n_group, self.max_groups),
+        ];
+        for (what, value, max) in limits {
+            if let Some(m) = max {
+                if value > m {
+                    return Err(format!("{what} = {value} exceeds its limit of {m}"));
+                }
+            }
         }
         Ok(())
     }
@@ -170,6 +211,19 @@ pub(crate) trait Experts: Send + Sync {
     /// `out[t] = Σ_j topk.weights[t, j] · expert_{ids[t, j]}(x_t) + shared(x_t)`.
     /// Sizes were checked by the caller.
     fn forward(&self, x: &[f32], topk: &TopK, out: &mut [f32], ws: &mut Workspace) -> Result<()>;
+
+    /// Whether the backend routes on its own device ([`Experts::run_routed`]).
+    fn routes_on_device(&self) -> bool {
+        false
+    }
+
+    /// Routing and experts in one call on the device (only when `routes_on_device`).
+    fn run_routed(&self, _x: &[f32], _logits: Option<&[f32]>, _out: &mut [f32]) -> Result<TopK> {
+        Err(Error::Unsupported {
+            backend: "this backend".into(),
+            reason: "routing on the device".into(),
+        })
+    }
 }
 
 #[cfg(test)]

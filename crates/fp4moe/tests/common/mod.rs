@@ -42,7 +42,22 @@ pub fn moe_cases() -> Vec<PathBuf> {
     v
 }
 
-/// Instantiates `fn $case(backend: Backend)` once per backend as `$case::{reference, cpu}`.
+/// Whether the CUDA backend can run here. Without one the test is skipped loudly, unless
+/// `FP4MOE_REQUIRE_GPU=1`, where a GPU test that cannot run fails.
+pub fn gpu_available() -> bool {
+    match fp4moe::Backend::Cuda.availability() {
+        Ok(()) => true,
+        Err(reason) => {
+            if std::env::var("FP4MOE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("FP4MOE_REQUIRE_GPU=1 but the CUDA backend cannot run: {reason}");
+            }
+            eprintln!("skipped: no CUDA driver or device ({reason})");
+            false
+        }
+    }
+}
+
+/// Instantiates `fn $case(backend: Backend)` once per backend as `$case::{reference, cpu, cuda}`.
 #[macro_export]
 macro_rules! per_backend {
     ($($case:ident),* $(,)?) => {
@@ -55,6 +70,12 @@ macro_rules! per_backend {
                 #[test]
                 fn cpu() {
                     super::$case(fp4moe::Backend::Cpu);
+                }
+                #[test]
+                fn cuda() {
+                    if crate::common::gpu_available() {
+                        super::$case(fp4moe::Backend::Cuda);
+                    }
                 }
             }
         )*

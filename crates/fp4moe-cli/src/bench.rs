@@ -1,0 +1,159 @@
+//! `fp4moe bench`: per batch size, the median time of the whole layer (routing included), the
+//! NVFP4 memory floor and the bf16 compute floor of DESIGN 5, time/floor and useful TFLOP/s.
+//! CUDA: graph replays timed with events, rotating inputs and weight copies (see
+//! `fp4moe::cuda::bench`). CPU: wall-clock median of a few forwards.
+
+use crate::progress::step;
+use crate::{BackendArg, PresetArg};
+use anyhow::{bail, Context, Result};
+use fp4moe::calibration::calibrate;
+use fp4moe::routing::{route, router_logits};
+use fp4moe::spec::{Intermediate, MoeSpec, QuantMode};
+use fp4moe::synthetic::{random_tokens, random_weights, Preset};
+use fp4moe::weights::MoeWeights;
+use fp4moe::{Backend, BackendChoice, MoeLayer, Workspace};
+use std::time::Instant;
+
+/// H200 bf16 dense matmul rate measured for DESIGN 5 (788–795 TFLOP/s).
+const BF16_TFLOPS: f64 = 790.0;
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub(crate) enum ModeArg {
+    W4a16,
+    W4a4,
+}
+
+fn preset(p: PresetArg) -> Preset {
+    match p {
+        PresetArg::Nemotron3Nano => Preset::Nemotron3Nano,
+        PresetArg::Qwen3_30bA3b => Preset::Qwen3_30bA3b,
+    }
+}
+
+/// Distinct experts the tokens route to, averaged over the input sets.
+fn experts_touched(spec: &MoeSpec, w: &MoeWeights, inputs: &[Vec<f32>]) -> f64 {
+    let e = spec.shape.experts;
+    let total: usize = inputs
+        .iter()
+        .map(|x| {
+            let l = router_logits(x, w.router.as_deref().unwrap_or(&[]), spec.shape.hidden, e);
+            let t = route(&l, e, &spec.routing, w.e_score_correction_bias.as_deref());
+            let mut seen = vec![false; e];
+            t.ids.iter().for_each(|&i| seen[i as usize] = true);
+            seen.iter().filter(|&&s| s).count()
+        })
+        .sum();
+    total as f64 / inputs.len().max(1) as f64
+}
+
+pub(crate) struct Args {
+    pub preset: PresetArg,
+    pub tokens: Vec<usize>,
+    pub mode: ModeArg,
+    pub backend: BackendArg,
+    pub json: Option<std::path::PathBuf>,
+    pub seed: u64,
+}
+
+pub(crate) fn run(a: Args) -> Result<()> {
+    if a.tokens.is_empty() || a.tokens.contains(&0) {
+        bail!("--tokens must list batch sizes of at least 1");
+    }
+    let p = preset(a.preset);
+    let quant = match a.mode {
+        ModeArg::W4a16 => QuantMode::W4A16,
+        ModeArg::W4a4 => QuantMode::W4A4 {
+            intermediate: Intermediate::Static,
+        },
+    };
+    let spec = p.spec(quant);
+    let backend = match a.backend {
+        BackendArg::Auto => fp4moe::backend::select(&Backend::AUTO_ORDER, &spec)?,
+        BackendArg::Cuda => Backend::Cuda,
+        BackendArg::Cpu => Backend::Cpu,
+        BackendArg::Reference => Backend::Reference,
+    };
+    fp4moe::backend::require(backend, &spec)?;
+    let mut w = step("quantizing random bf16 weights (ModelOpt recipe)", || random_weights(&spec, a.seed))?;
+    if let QuantMode::W4A4 { .. } = quant {
+        let calib = random_tokens(16, spec.shape.hidden, a.seed ^ 0xCA1);
+        let l = router_logits(&calib, w.router.as_deref().unwrap_or(&[]), spec.shape.hidden, spec.shape.experts);
+        let t = route(&l, spec.shape.experts, &spec.routing, w.e_score_correction_bias.as_deref());
+        let s = step("calibrating input scales on 16 tokens", || calibrate(&spec, &w, &calib, &t)).input_scales();
+        w.w13_input_scale = Some(s.w13);
+        w.w2_input_scale = Some(s.w2);
+    }
+    let (sh, i, e, k) = (spec.shape.hidden, spec.shape.intermediate, spec.shape.experts, spec.routing.top_k);
+    let per_expert_weights = (spec.activation.w13_shards() * i * sh + sh * i) as f64;
+    let expert_bytes = (w.w13.expert_bytes() + w.w2.expert_bytes()) as f64;
+
+    let (bandwidth, device) = match backend {
+        Backend::Cuda => {
+            let d = fp4moe::cuda::device()?;
+            (step("measuring device copy bandwidth", fp4moe::cuda::bench::copy_bandwidth)?, format!("{} (sm {}.{})", d.name, d.compute_capability.0, d.compute_capability.1))
+        }
+        _ => (0.0, "CPU".to_string()),
+    };
+    println!(
+        "fp4moe bench: {} {} on {} [{}], copy bandwidth {:.0} GB/s (read+write), bf16 compute {BF16_TFLOPS} TFLOP/s (DESIGN 5)",
+        p.name(),
+        spec.quant,
+        backend,
+        device,
+        bandwidth / 1e9
+    );
+    println!(
+        "{:>6} {:>11} {:>11} {:>8} {:>13} {:>14} {:>11} {:>9}",
+        "tokens", "median µs", "min µs", "experts", "mem floor µs", "comp floor µs", "time/floor", "TFLOP/s"
+    );
+    let mut rows = Vec::new();
+    for &t in &a.tokens {
+        let inputs: Vec<Vec<f32>> = (0..4).map(|r| random_tokens(t, sh, a.seed + 100 * t as u64 + r)).collect();
+        let touched = experts_touched(&spec, &w, &inputs);
+        let (median, min) = match backend {
+            Backend::Cuda => {
+                let iters = if t >= 1024 { 40 } else { 200 };
+                let tm = step(&format!("timing {t} tokens"), || fp4moe::cuda::bench::time_layer(&spec, &w, &inputs, 2, iters))
+                    .with_context(|| format!("{t} tokens"))?;
+                (tm.median_us, tm.min_us)
+            }
+            other => {
+                let layer = MoeLayer::new(spec, w.clone(), BackendChoice::Use(other))?;
+                let mut out = vec![0.0f32; t * sh];
+                let mut ws = Workspace::default();
+                let mut times = Vec::new();
+                for x in &inputs {
+                    let topk = layer.route(x, None)?;
+                    let t0 = Instant::now();
+                    layer.forward(x, &topk, &mut out, &mut ws)?;
+                    times.push(t0.elapsed().as_secs_f64() * 1e6);
+                }
+                times.sort_by(f64::total_cmp);
+                (times[times.len() / 2], times[0])
+            }
+        };
+        let mem_floor = if bandwidth > 0.0 { touched * expert_bytes / bandwidth * 1e6 } else { f64::NAN };
+        let flops = 2.0 * t as f64 * k as f64 * per_expert_weights;
+        let comp_floor = flops / (BF16_TFLOPS * 1e12) * 1e6;
+        let floor = mem_floor.max(comp_floor);
+        let tflops = flops / (median * 1e-6) / 1e12;
+        println!(
+            "{t:>6} {median:>11.1} {min:>11.1} {touched:>8.1} {mem_floor:>13.1} {comp_floor:>14.1} {:>10.2}x {tflops:>9.1}",
+            median / floor
+        );
+        rows.push(serde_json::json!({
+            "tokens": t, "median_us": median, "min_us": min, "experts_touched": touched,
+            "memory_floor_us": mem_floor, "compute_floor_us": comp_floor, "time_over_floor": median / floor,
+            "useful_tflops": tflops,
+        }));
+    }
+    if let Some(path) = &a.json {
+        let doc = serde_json::json!({
+            "preset": p.name(), "mode": spec.quant.to_string(), "backend": backend.name(), "device": device,
+            "copy_bandwidth_gbs": bandwidth / 1e9, "bf16_tflops": BF16_TFLOPS, "experts": e, "top_k": k, "results": rows,
+        });
+        let text = serde_json::to_string_pretty(&doc)?;
+        fp4moe::tensor_io::write_atomic(path, text.as_bytes())?;
+    }
+    Ok(())
+}

@@ -1,0 +1,134 @@
+// Shared device helpers for fp4moe kernels: NVFP4 element/scale conversions (DESIGN 1), the
+// activation functions (DESIGN 2), warp reductions and the mma.sync tile wrapper.
+//
+// Numerics contract: every conversion here reproduces the CPU code bit for bit
+// (crates/fp4moe/src/format): E2M1 round-half-to-even with saturation at 6, E4M3 RNE with
+// SATFINITE, exact (IEEE) divisions.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#define FULL_MASK 0xffffffffu
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+// Activation ids, as the host passes them (spec::Activation order).
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+#define ACT_RELU2 2
+#define ACT_SILU_NO_MUL 3
+
+__device__ __forceinline__ float e2m1_magnitude(u32 code) {
+    const float t[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    return t[code & 7];
+}
+
+// Signed value of a nibble; the negative-zero code decodes to +0.
+__device__ __forceinline__ float e2m1_value(u32 nib) {
+    float m = e2m1_magnitude(nib);
+    return (nib & 8) ? -m : m;  // -0.0f only for m == 0, which callers treat as 0
+}
+
+// Magnitude code of |a| (a already clamped to [-6, 6]), ties to even.
+__device__ __forceinline__ u32 e2m1_code(float v) {
+    float a = fabsf(v);
+    u32 c = a <= 0.25f ? 0u : a < 0.75f ? 1u : a <= 1.25f ? 2u : a < 1.75f ? 3u
+          : a <= 2.5f ? 4u : a < 3.5f ? 5u : a <= 5.0f ? 6u : 7u;
+    return c | (v < 0.0f ? 8u : 0u);
+}
+
+__device__ __forceinline__ float e4m3_to_float(u8 b) {
+    __nv_fp8_e4m3 v;
+    v.__x = b;
+    return float(v);
+}
+
+__device__ __forceinline__ u8 float_to_e4m3_sat(float x) {
+    return (u8)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+
+// One 16-block of the activation quantizer (DESIGN 1.2): the block scale byte and the element
+// multiplier for global scale `gs`, given the block's absolute max.
+__device__ __forceinline__ float nvfp4_block_scale(float vmax, float gs, u8* scale_byte) {
+    float s = fminf(gs * (vmax * (1.0f / 6.0f)), 448.0f);
+    u8 b = float_to_e4m3_sat(s);
+    *scale_byte = b;
+    return e4m3_to_float(b);
+}
+
+__device__ __forceinline__ float nvfp4_out_scale(float sf, float gs) {
+    return sf != 0.0f ? 1.0f / (sf * (1.0f / gs)) : 0.0f;
+}
+
+// Code of x for a block with element multiplier out_scale.
+__device__ __forceinline__ u32 nvfp4_code(float x, float out_scale) {
+    return e2m1_code(fminf(fmaxf(x * out_scale, -6.0f), 6.0f));
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+}
+
+// g = act(h, up); `up` is ignored by non-gated activations.
+__device__ __forceinline__ float apply_activation(int act, float h, float up) {
+    switch (act) {
+        case ACT_SILU: return silu(h) * up;
+        case ACT_GELU_TANH: return gelu_tanh(h) * up;
+        case ACT_RELU2: { float r = fmaxf(h, 0.0f); return r * r; }
+        default: return silu(h);
+    }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// D += A·B for one m16n8k16 bf16 tile (A row-major 16x16, B col-major 16x8, f32 accumulators).
+// Fragments (g = lane/4, q = lane%4): a[0] = A(g, 2q..2q+1), a[1] = A(g+8, 2q..), a[2] = A(g, 2q+8..),
+// a[3] = A(g+8, 2q+8..); b[0] = B(2q..2q+1, g), b[1] = B(2q+8.., g); d[0..1] = D(g, 2q..2q+1),
+// d[2..3] = D(g+8, 2q..2q+1).
+__device__ __forceinline__ void mma_bf16_16816(float d[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 bf16x2_bits(__nv_bfloat162 v) {
+    return *reinterpret_cast<u32*>(&v);
+}
+
+__device__ __forceinline__ __nv_bfloat162 bits_bf16x2(u32 v) {
+    return *reinterpret_cast<__nv_bfloat162*>(&v);
+}
+
+// Read-only, not-L1-allocating 16-byte load for streamed weights.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint2 ld_stream2(const uint2* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}

@@ -1,0 +1,235 @@
+// Expert GEMMs of the decode path (T <= a few hundred tokens): mma.sync m16n8k16 bf16 with the
+// NVFP4 weights dequantized in registers, exactly (e2m1 · E4M3 has at most 6 significant bits).
+//
+// Work split: grid.y walks the active experts (slot s < num_active, expert active[s]); grid.x
+// the output row groups (16 rows per warp, 4 warps per block). A block stages NT = 8·NSUB of its
+// expert's activation rows (bf16, k padded to 64, rows padded by 8 elements against bank
+// conflicts) in shared memory and each warp streams its weight rows once per token tile:
+//
+//   GEMM1: h = a · deq(w13_e)^T · alpha,   alpha = scale_2(shard) · act_alpha (1/gs1 in W4A4)
+//          gated: the warp owns gate rows [16r, 16r+16) and up rows I + [16r, 16r+16), so
+//          g = act(h_gate) · h_up never leaves registers; non-gated: g = act(h) (ReLU²: alpha
+//          before squaring). W4A4: the warp's 16 rows are one NVFP4 block of g along I, so the
+//          block scale is a shuffle-reduction and g is stored as the exact bf16 e2m1 · S.
+//   GEMM2: o = g · deq(w2_e)^T · alpha · router weight, written per pair for the combine.
+//
+// Prepared weight layout (crates/fp4moe/src/cuda/pack.rs), per expert, row group rg and 64-wide k
+// group kg: NVFP4 data 32 lanes x 16 bytes (lane L = 4g + q, bytes 4j..4j+3 for k block j:
+// rows g, g+8 at k 2q..2q+1 and rows g, g+8 at k 2q+8..2q+9, i.e. the mma A fragment) and scales
+// 8 x 8 bytes (rows g and g+8, k blocks 0..3). BF16 weights: per 16-wide k block, 32 lanes x the
+// four A-fragment registers.
+#include "common.cuh"
+
+struct GemmParams {
+    const u8* wdata;
+    const u8* wscales;
+    const float* wscale2;
+    const __nv_bfloat16* act;
+    const int* offsets;
+    const int* sorted;
+    const int* active;
+    const int* num_active;
+    __nv_bfloat16* g_out;
+    const float* topk_w;
+    float* o_out;
+    int rg_out;      // output row groups: I/16 (GEMM1) or H/16 (GEMM2)
+    int rg_w;        // weight row groups per expert
+    int kg;          // 64-wide k groups (padded K / 64)
+    int k;           // valid K
+    int shards;      // scale_2 values per expert
+    int top_k;       // > 0: activation row = sorted pair / top_k (GEMM1); 0: row = sorted position
+    int activation;
+    int out_stride;  // row length of g_out / o_out
+    float act_alpha;
+    float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
+};
+
+#define WARPS 4
+
+__device__ __forceinline__ void dequant_fragment(u32 word, u32 sg, u32 sg8, const u32* lut4,
+                                                 const u32* lut8, u32 a[4]) {
+    __nv_bfloat162 s0 = bits_bf16x2(lut8[sg]), s1 = bits_bf16x2(lut8[sg8]);
+    a[0] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[word & 0xff]), s0));
+    a[1] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[(word >> 8) & 0xff]), s1));
+    a[2] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[(word >> 16) & 0xff]), s0));
+    a[3] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[word >> 24]), s1));
+}
+
+template <int NSUB>
+__device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4], const __nv_bfloat16* sact,
+                                             int stride, int kc, int g, int nsub_valid) {
+#pragma unroll
+    for (int s = 0; s < NSUB; s++) {
+        if (s < nsub_valid) {
+            const __nv_bfloat16* row = sact + (s * 8 + g) * stride + kc;
+            u32 b0 = *reinterpret_cast<const u32*>(row);
+            u32 b1 = *reinterpret_cast<const u32*>(row + 8);
+            mma_bf16_16816(acc[s], a, b0, b1);
+        }
+    }
+}
+
+// KIND 0: NVFP4 weights, 1: bf16 weights. STAGE 1: GEMM1 + activation, 2: GEMM2.
+template <int KIND, int STAGE, bool GATED, int NSUB>
+__device__ __forceinline__ void gemm_body(const GemmParams& p) {
+    constexpr int NT = 8 * NSUB;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u32* lut4 = reinterpret_cast<u32*>(smem_raw);
+    u32* lut8 = lut4 + 256;
+    __nv_bfloat16* sact = reinterpret_cast<__nv_bfloat16*>(lut8 + 256);
+
+    int slot = blockIdx.y;
+    if (slot >= p.num_active[0]) return;
+    int e = p.active[slot];
+    int base = p.offsets[e];
+    int n_e = p.offsets[e + 1] - base;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int rg = blockIdx.x * WARPS + warp;
+
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        float lo = (i & 7) ? e2m1_value(i & 15) : 0.0f;
+        float hi = ((i >> 4) & 7) ? e2m1_value(i >> 4) : 0.0f;
+        lut4[i] = bf16x2_bits(__floats2bfloat162_rn(lo, hi));
+        float s = e4m3_to_float((u8)i);
+        lut8[i] = bf16x2_bits(__floats2bfloat162_rn(s, s));
+    }
+
+    const int kp = p.kg * 64;
+    const int stride = kp + 8;
+    for (int t0 = 0; t0 < n_e; t0 += NT) {
+        __syncthreads();
+        int nvalid = min(NT, n_e - t0);
+        int nsub_valid = (nvalid + 7) / 8;
+        int chunks = kp / 8;
+        for (int idx = threadIdx.x; idx < nsub_valid * 8 * chunks; idx += blockDim.x) {
+            int r = idx / chunks, c8 = idx % chunks;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (r < nvalid && c8 * 8 < p.k) {
+                int arow = (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + r] / p.top_k : base + t0 + r;
+                v = *reinterpret_cast<const uint4*>(p.act + (size_t)arow * p.k + c8 * 8);
+            }
+            *reinterpret_cast<uint4*>(sact + r * stride + c8 * 8) = v;
+        }
+        __syncthreads();
+        if (rg >= p.rg_out) continue;
+
+        float acc[NSUB][4], accu[NSUB][4];
+#pragma unroll
+        for (int s = 0; s < NSUB; s++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[s][c] = accu[s][c] = 0.0f;
+
+        size_t wrow = (size_t)e * p.rg_w + rg;
+        size_t wrow_up = wrow + p.rg_out;
+        if (KIND == 0) {
+            const uint4* wd = reinterpret_cast<const uint4*>(p.wdata) + wrow * p.kg * 32 + lane;
+            const uint2* ws = reinterpret_cast<const uint2*>(p.wscales) + wrow * p.kg * 8 + g;
+            const uint4* wdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * p.kg * 32 + lane;
+            const uint2* wsu = reinterpret_cast<const uint2*>(p.wscales) + wrow_up * p.kg * 8 + g;
+#pragma unroll 2
+            for (int kgi = 0; kgi < p.kg; kgi++) {
+                uint4 d = ld_stream(wd + kgi * 32);
+                uint2 s = ld_stream2(ws + kgi * 8);
+                uint4 du;
+                uint2 su;
+                if (GATED) {
+                    du = ld_stream(wdu + kgi * 32);
+                    su = ld_stream2(wsu + kgi * 8);
+                }
+                const u32 dw[4] = {d.x, d.y, d.z, d.w};
+                const u32 duw[4] = {du.x, du.y, du.z, du.w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    int kc = (kgi * 4 + j) * 16 + 2 * q;
+                    u32 a[4];
+                    dequant_fragment(dw[j], (s.x >> (8 * j)) & 0xff, (s.y >> (8 * j)) & 0xff, lut4, lut8, a);
+                    mma_subtiles<NSUB>(acc, a, sact, stride, kc, g, nsub_valid);
+                    if (GATED) {
+                        dequant_fragment(duw[j], (su.x >> (8 * j)) & 0xff, (su.y >> (8 * j)) & 0xff, lut4, lut8, a);
+                        mma_subtiles<NSUB>(accu, a, sact, stride, kc, g, nsub_valid);
+                    }
+                }
+            }
+        } else {
+            const int kb = kp / 16;
+            const uint4* wd = reinterpret_cast<const uint4*>(p.wdata) + wrow * kb * 32 + lane;
+            const uint4* wdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * kb * 32 + lane;
+            for (int k = 0; k < kb; k++) {
+                uint4 d = ld_stream(wd + k * 32);
+                const u32 a[4] = {d.x, d.y, d.z, d.w};
+                mma_subtiles<NSUB>(acc, a, sact, stride, k * 16 + 2 * q, g, nsub_valid);
+                if (GATED) {
+                    uint4 du = ld_stream(wdu + k * 32);
+                    const u32 au[4] = {du.x, du.y, du.z, du.w};
+                    mma_subtiles<NSUB>(accu, au, sact, stride, k * 16 + 2 * q, g, nsub_valid);
+                }
+            }
+        }
+
+        if (STAGE == 1) {
+            float alpha_g = p.wscale2[e * p.shards] * p.act_alpha;
+            float alpha_u = GATED ? p.wscale2[e * p.shards + 1] * p.act_alpha : 0.0f;
+#pragma unroll
+            for (int s = 0; s < NSUB; s++) {
+                if (s >= nsub_valid) continue;  // warp-uniform
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    float v0 = apply_activation(p.activation, acc[s][c] * alpha_g, accu[s][c] * alpha_u);
+                    float v1 = apply_activation(p.activation, acc[s][2 + c] * alpha_g, accu[s][2 + c] * alpha_u);
+                    if (p.gs_out > 0.0f) {
+                        float vmax = fmaxf(fabsf(v0), fabsf(v1));
+                        vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 4));
+                        vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 8));
+                        vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 16));
+                        u8 sb;
+                        float sf = nvfp4_block_scale(vmax, p.gs_out, &sb);
+                        float os = nvfp4_out_scale(sf, p.gs_out);
+                        u32 c0 = nvfp4_code(v0, os), c1 = nvfp4_code(v1, os);
+                        v0 = (c0 & 7) ? e2m1_value(c0) * sf : 0.0f;
+                        v1 = (c1 & 7) ? e2m1_value(c1) * sf : 0.0f;
+                    }
+                    int lt = t0 + s * 8 + 2 * q + c;
+                    if (lt < n_e) {
+                        __nv_bfloat16* out = p.g_out + (size_t)(base + lt) * p.out_stride + rg * 16 + g;
+                        out[0] = __float2bfloat16_rn(v0);
+                        out[8] = __float2bfloat16_rn(v1);
+                    }
+                }
+            }
+        } else {
+            float alpha = p.wscale2[e * p.shards] * p.act_alpha;
+#pragma unroll
+            for (int s = 0; s < NSUB; s++) {
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    int lt = t0 + s * 8 + 2 * q + c;
+                    if (s < nsub_valid && lt < n_e) {
+                        int pair = p.sorted[base + lt];
+                        float w = p.topk_w[pair] * alpha;
+                        float* out = p.o_out + (size_t)pair * p.out_stride + rg * 16 + g;
+                        out[0] = acc[s][c] * w;
+                        out[8] = acc[s][2 + c] * w;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define INSTANTIATE(NAME, KIND, STAGE, GATED)                                                        \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_n1(const GemmParams p) {        \
+        gemm_body<KIND, STAGE, GATED, 1>(p);                                                          \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_n2(const GemmParams p) {        \
+        gemm_body<KIND, STAGE, GATED, 2>(p);                                                          \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_n4(const GemmParams p) {        \
+        gemm_body<KIND, STAGE, GATED, 4>(p);                                                          \
+    }
+
+INSTANTIATE(gemm1_nvfp4_gated, 0, 1, true)
+INSTANTIATE(gemm1_nvfp4_plain, 0, 1, false)
+INSTANTIATE(gemm2_nvfp4, 0, 2, false)
+INSTANTIATE(gemm1_bf16_gated, 1, 1, true)
+INSTANTIATE(gemm1_bf16_plain, 1, 1, false)
+INSTANTIATE(gemm2_bf16, 1, 2, false)

@@ -1,0 +1,271 @@
+//! Kernel compilation: embedded `.cu` sources → NVRTC → CUBIN for one architecture, cached on
+//! disk (`FP4MOE_CACHE_DIR`, default `$XDG_CACHE_HOME/fp4moe` or `~/.cache/fp4moe`) under a key
+//! of source, headers, options, NVRTC version and architecture. cudarc's safe NVRTC API returns
+//! PTX only, so CUBIN comes from the raw `nvrtcGetCUBIN`.
+//!
+//! CUDA headers (`cuda_bf16.h`, `cuda_fp8.h`) are found in `FP4MOE_CUDA_INCLUDE`, `CUDA_HOME` /
+//! `CUDA_PATH` `/include`, `/usr/local/cuda/include`, then a pip `nvidia/cu13/include` next to a
+//! `nvidia/cu13/lib` on `LD_LIBRARY_PATH`.
+
+use cudarc::nvrtc::sys;
+use std::ffi::{CStr, CString};
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+
+/// The shared header every kernel file includes.
+pub const COMMON: (&str, &str) = ("common.cuh", include_str!("../../kernels/common.cuh"));
+
+/// Kernel files, one pipeline stage each.
+pub const SOURCES: [(&str, &str); 5] = [
+    ("routing.cu", include_str!("../../kernels/routing.cu")),
+    ("sort_pairs.cu", include_str!("../../kernels/sort_pairs.cu")),
+    ("prepare_input.cu", include_str!("../../kernels/prepare_input.cu")),
+    ("expert_gemm.cu", include_str!("../../kernels/expert_gemm.cu")),
+    ("combine.cu", include_str!("../../kernels/combine.cu")),
+];
+
+/// A failed compilation with everything needed to reproduce it.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("NVRTC could not compile {file} for {arch} (options {options:?}):\n{log}")]
+pub struct CompileError {
+    pub file: String,
+    pub arch: String,
+    pub options: Vec<String>,
+    pub log: String,
+}
+
+/// A compiled kernel file.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    pub file: String,
+    pub cubin: Vec<u8>,
+    /// NVRTC's log, with the ptxas report (registers, shared memory, spills) of every kernel.
+    pub log: String,
+    pub from_cache: bool,
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("FP4MOE_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(d).join("fp4moe"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("fp4moe"))
+}
+
+/// The include directory holding `cuda_bf16.h`, searched in the documented order.
+pub fn include_dir() -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(d) = std::env::var_os("FP4MOE_CUDA_INCLUDE") {
+        candidates.push(PathBuf::from(d));
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(d) = std::env::var_os(var) {
+            candidates.push(PathBuf::from(d).join("include"));
+        }
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    if let Some(paths) = std::env::var_os("LD_LIBRARY_PATH") {
+        for p in std::env::split_paths(&paths) {
+            if p.ends_with("nvidia/cu13/lib") {
+                if let Some(parent) = p.parent() {
+                    candidates.push(parent.join("include"));
+                }
+            }
+        }
+    }
+    candidates.into_iter().find(|d| d.join("cuda_bf16.h").is_file())
+}
+
+/// NVRTC's version as (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32), String> {
+    // SAFETY: only checks whether the shared library can be opened.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("libnvrtc was not found (install the CUDA toolkit or the nvidia-cuda-nvrtc wheel and add its lib folder to LD_LIBRARY_PATH)".into());
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present; the pointers are valid for the call.
+    let r = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
+    if r != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("nvrtcVersion failed: {r:?}"));
+    }
+    Ok((major, minor))
+}
+
+fn options(arch: &str, include: &std::path::Path) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "-lineinfo".into(),
+        "--ptxas-options=-v".into(),
+        format!("--include-path={}", include.display()),
+    ]
+}
+
+/// Compiles one kernel file for `arch` (e.g. `sm_90a`, `sm_80`), using the disk cache.
+pub fn compile(file: &str, source: &str, arch: &str) -> Result<Compiled, CompileError> {
+    let fail = |log: String, options: &[String]| CompileError {
+        file: file.to_string(),
+        arch: arch.to_string(),
+        options: options.to_vec(),
+        log,
+    };
+    let version = nvrtc_version().map_err(|e| fail(e, &[]))?;
+    let include = include_dir().ok_or_else(|| {
+        fail(
+            "cuda_bf16.h not found: set FP4MOE_CUDA_INCLUDE or CUDA_HOME, or install the CUDA toolkit in /usr/local/cuda".into(),
+            &[],
+        )
+    })?;
+    let opts = options(arch, &include);
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (source, COMMON.1, &opts[..opts.len() - 1], version, arch, env!("CARGO_PKG_VERSION")).hash(&mut h);
+    let key = format!("{}-{arch}-{:016x}", file.trim_end_matches(".cu"), h.finish());
+    let cached = cache_dir().map(|d| (d.join(format!("{key}.cubin")), d.join(format!("{key}.log"))));
+    if let Some((cubin_path, log_path)) = &cached {
+        if let (Ok(cubin), Ok(log)) = (std::fs::read(cubin_path), std::fs::read_to_string(log_path)) {
+            return Ok(Compiled {
+                file: file.to_string(),
+                cubin,
+                log,
+                from_cache: true,
+            });
+        }
+    }
+    let (cubin, log) = nvrtc_cubin(file, source, &opts).map_err(|log| fail(log, &opts))?;
+    if let Some((cubin_path, log_path)) = &cached {
+        // A cache that cannot be written only costs a recompilation next time.
+        if let Some(dir) = cubin_path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let _ = crate::tensor_io::write_atomic(cubin_path, &cubin);
+        let _ = crate::tensor_io::write_atomic(log_path, log.as_bytes());
+    }
+    Ok(Compiled {
+        file: file.to_string(),
+        cubin,
+        log,
+        from_cache: false,
+    })
+}
+
+fn check(r: sys::nvrtcResult, what: &str) -> Result<(), String> {
+    if r == sys::nvrtcResult::NVRTC_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{what} failed: {r:?}"))
+    }
+}
+
+/// The raw NVRTC sequence: create, compile, log, CUBIN, destroy.
+fn nvrtc_cubin(file: &str, source: &str, opts: &[String]) -> Result<(Vec<u8>, String), String> {
+    let src = CString::new(source).map_err(|e| e.to_string())?;
+    let name = CString::new(file).map_err(|e| e.to_string())?;
+    let hdr_src = CString::new(COMMON.1).map_err(|e| e.to_string())?;
+    let hdr_name = CString::new(COMMON.0).map_err(|e| e.to_string())?;
+    let headers = [hdr_src.as_ptr()];
+    let include_names = [hdr_name.as_ptr()];
+    let c_opts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str())).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let opt_ptrs: Vec<*const std::ffi::c_char> = c_opts.iter().map(|o| o.as_ptr()).collect();
+    let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer refers to a NUL-terminated string that outlives the call; one header.
+    check(
+        unsafe { sys::nvrtcCreateProgram(&mut prog, src.as_ptr(), name.as_ptr(), 1, headers.as_ptr(), include_names.as_ptr()) },
+        "nvrtcCreateProgram",
+    )?;
+    // SAFETY: `prog` was created above; the option pointers live until the call returns.
+    let compiled = unsafe { sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr()) };
+    let mut log_len = 0usize;
+    // SAFETY: `prog` is valid; the out-pointer is valid.
+    let mut log = String::new();
+    if unsafe { sys::nvrtcGetProgramLogSize(prog, &mut log_len) } == sys::nvrtcResult::NVRTC_SUCCESS && log_len > 1 {
+        let mut buf = vec![0u8; log_len];
+        // SAFETY: `buf` holds the `log_len` bytes NVRTC asked for.
+        if unsafe { sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut std::ffi::c_char) } == sys::nvrtcResult::NVRTC_SUCCESS {
+            log = CStr::from_bytes_until_nul(&buf).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+        }
+    }
+    let result = check(compiled, "nvrtcCompileProgram").map_err(|e| format!("{e}\n{log}")).and_then(|()| {
+        let mut size = 0usize;
+        // SAFETY: `prog` compiled successfully; the out-pointer is valid.
+        check(unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }, "nvrtcGetCUBINSize")?;
+        let mut cubin = vec![0u8; size];
+        // SAFETY: `cubin` holds the `size` bytes NVRTC reported.
+        check(unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char) }, "nvrtcGetCUBIN")?;
+        Ok(cubin)
+    });
+    // SAFETY: `prog` is valid and destroyed exactly once.
+    unsafe { sys::nvrtcDestroyProgram(&mut prog) };
+    result.map(|cubin| (cubin, log))
+}
+
+/// Resource usage of one kernel from a ptxas report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelUsage {
+    pub kernel: String,
+    pub registers: u32,
+    pub shared_bytes: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+    pub stack_bytes: u32,
+}
+
+fn number_before(text: &str, unit: &str) -> Option<u32> {
+    let i = text.find(unit)?;
+    text[..i].split_whitespace().last()?.parse().ok()
+}
+
+/// Parses the `ptxas info` lines of an NVRTC log.
+pub fn parse_ptxas(log: &str) -> Vec<KernelUsage> {
+    let mut out: Vec<KernelUsage> = Vec::new();
+    for line in log.lines() {
+        if let Some(i) = line.find("Compiling entry function '") {
+            let rest = &line[i + 26..];
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            out.push(KernelUsage {
+                kernel: name,
+                registers: 0,
+                shared_bytes: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+                stack_bytes: 0,
+            });
+        } else if let Some(k) = out.last_mut() {
+            if line.contains("bytes stack frame") {
+                k.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+                k.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+                k.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+            } else if line.contains("Used") && line.contains("registers") {
+                k.registers = number_before(line, "registers").unwrap_or(0);
+                k.shared_bytes = number_before(line, "bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptxas_report_is_parsed() {
+        let log = "ptxas info    : Compiling entry function 'gemm2_nvfp4_n2' for 'sm_90a'\n\
+                   ptxas info    : Function properties for gemm2_nvfp4_n2\n\
+                   ptxas         .    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n\
+                   ptxas info    : Used 64 registers, used 1 barriers, 512 bytes smem, 400 bytes cmem[0]\n";
+        let u = parse_ptxas(log);
+        assert_eq!(
+            u,
+            vec![KernelUsage {
+                kernel: "gemm2_nvfp4_n2".into(),
+                registers: 64,
+                shared_bytes: 512,
+                spill_stores: 4,
+                spill_loads: 4,
+                stack_bytes: 8,
+            }]
+        );
+    }
+}

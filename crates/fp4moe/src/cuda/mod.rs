@@ -1,0 +1,681 @@
+//! The CUDA backend: NVRTC-compiled kernels (`crates/fp4moe/kernels/*.cu`), weights prepared
+//! once into the decode kernels' fragment layout ([`pack`]), and a device pipeline with no host
+//! synchronization, so a caller can capture [`CudaLayer::forward_device`] in a CUDA graph:
+//!
+//! ```text
+//! router_logits? → route_topk → sort_pairs → prepare_input → gemm1 (+act, W4A4 QDQ) → gemm2
+//!               (shared expert: shared_meta → gemm1 → gemm2) → combine → y [T, H]
+//! ```
+//! No float atomics anywhere: results are bitwise reproducible from run to run.
+//!
+//! Every `unsafe` block of the crate lives under this module, each with a `// SAFETY:` line.
+//! A machine without a driver never reaches cudarc's loaders: [`device`] checks
+//! `is_culib_present()` first and reports [`Error::CudaUnavailable`].
+
+mod compile;
+pub mod bench;
+pub mod pack;
+
+pub use compile::{compile, include_dir, nvrtc_version, parse_ptxas, CompileError, Compiled, KernelUsage, SOURCES};
+
+use crate::backend::{Experts, Workspace};
+use crate::error::{Error, Result};
+use crate::routing::TopK;
+use crate::spec::{MoeSpec, QuantMode, Scoring};
+use crate::weights::{DenseWeight, ExpertStack, MoeWeights};
+use cudarc::driver::{
+    sys as dsys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The device the backend runs on (ordinal 0) with its compiled kernels.
+pub struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub arch: String,
+    /// Largest dynamic shared memory a block may opt into.
+    pub max_shared_bytes: usize,
+    kernels: OnceLock<std::result::Result<Kernels, String>>,
+}
+
+struct Kernels {
+    functions: HashMap<String, CudaFunction>,
+    _modules: Vec<Arc<CudaModule>>,
+}
+
+fn driver_err(stage: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda {
+        stage,
+        message: e.to_string(),
+    }
+}
+
+/// The NVRTC architecture for a compute capability.
+pub fn arch_for(cc: (i32, i32)) -> String {
+    match cc {
+        (9, 0) => "sm_90a".to_string(),
+        (major, minor) => format!("sm_{major}{minor}"),
+    }
+}
+
+fn open_device() -> std::result::Result<Device, String> {
+    // SAFETY: only probes whether libcuda can be opened; no CUDA call is made before this.
+    if !unsafe { dsys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda) on this machine".into());
+    }
+    let n = CudaContext::device_count().map_err(|e| format!("cuInit/cuDeviceGetCount failed: {e}"))?;
+    if n < 1 {
+        return Err("the CUDA driver reports no device".into());
+    }
+    let ctx = CudaContext::new(0).map_err(|e| format!("cannot create a context on device 0: {e}"))?;
+    let cc = ctx.compute_capability().map_err(|e| e.to_string())?;
+    if cc.0 < 8 {
+        return Err(format!("device 0 has compute capability {}.{}; fp4moe needs 8.0 (Ampere) or newer", cc.0, cc.1));
+    }
+    compile::nvrtc_version()?;
+    if compile::include_dir().is_none() {
+        return Err("CUDA headers (cuda_bf16.h) not found: set CUDA_HOME or FP4MOE_CUDA_INCLUDE".into());
+    }
+    // SAFETY: every buffer this backend creates is used on its one stream only, so cudarc's
+    // cross-stream event tracking is unnecessary; it would also add event records to captures.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+    let max_shared_bytes = ctx
+        .attribute(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(|e| e.to_string())? as usize;
+    Ok(Device {
+        max_shared_bytes,
+        name: ctx.name().unwrap_or_else(|_| "unknown".into()),
+        arch: arch_for(cc),
+        compute_capability: cc,
+        ctx,
+        stream,
+        kernels: OnceLock::new(),
+    })
+}
+
+static DEVICE: OnceLock<std::result::Result<Device, String>> = OnceLock::new();
+
+/// The CUDA device, or why there is none.
+pub fn device() -> Result<&'static Device> {
+    DEVICE
+        .get_or_init(open_device)
+        .as_ref()
+        .map_err(|reason| Error::CudaUnavailable { reason: reason.clone() })
+}
+
+/// Compiles every kernel file for `arch` (no device needed): what CI uses to check registers,
+/// shared memory and spills.
+pub fn compile_all(arch: &str) -> std::result::Result<Vec<Compiled>, CompileError> {
+    SOURCES.iter().map(|(file, src)| compile::compile(file, src, arch)).collect()
+}
+
+impl Device {
+    fn kernels(&self) -> Result<&Kernels> {
+        self.kernels
+            .get_or_init(|| {
+                let mut functions = HashMap::new();
+                let mut modules = Vec::new();
+                for c in compile_all(&self.arch).map_err(|e| e.to_string())? {
+                    let module = self.ctx.load_module(Ptx::from_binary(c.cubin)).map_err(|e| format!("loading {}: {e}", c.file))?;
+                    for k in parse_ptxas(&c.log) {
+                        let f = module.load_function(&k.kernel).map_err(|e| format!("{}: {e}", k.kernel))?;
+                        // Opt in once, here, so no attribute call happens inside a graph capture.
+                        f.set_attribute(
+                            dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            (self.max_shared_bytes - k.shared_bytes as usize) as i32,
+                        )
+                        .map_err(|e| format!("{}: {e}", k.kernel))?;
+                        functions.insert(k.kernel, f);
+                    }
+                    modules.push(module);
+                }
+                Ok(Kernels {
+                    functions,
+                    _modules: modules,
+                })
+            })
+            .as_ref()
+            .map_err(|m| Error::Cuda {
+                stage: "kernel setup",
+                message: m.clone(),
+            })
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.kernels()?.functions.get(name).ok_or_else(|| Error::Cuda {
+            stage: "kernel setup",
+            message: format!("kernel `{name}` is missing from the compiled modules"),
+        })
+    }
+}
+
+/// Parameters of `expert_gemm.cu`'s kernels; the layout matches `struct GemmParams` there.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct GemmParams {
+    wdata: u64,
+    wscales: u64,
+    wscale2: u64,
+    act: u64,
+    offsets: u64,
+    sorted: u64,
+    active: u64,
+    num_active: u64,
+    g_out: u64,
+    topk_w: u64,
+    o_out: u64,
+    rg_out: i32,
+    rg_w: i32,
+    kg: i32,
+    k: i32,
+    shards: i32,
+    top_k: i32,
+    activation: i32,
+    out_stride: i32,
+    act_alpha: f32,
+    gs_out: f32,
+}
+
+// SAFETY: `GemmParams` is `repr(C)`, plain old data, and mirrors the kernel's parameter struct
+// field for field (11 pointers, 8 ints, 2 floats; no implicit padding).
+unsafe impl DeviceRepr for GemmParams {}
+
+/// One projection on the device in the decode kernels' layout.
+struct DeviceProjection {
+    nvfp4: bool,
+    data: CudaSlice<u8>,
+    scales: CudaSlice<u8>,
+    scale_2: CudaSlice<f32>,
+    rows: usize,
+    k: usize,
+    shards: usize,
+}
+
+impl DeviceProjection {
+    fn from_stack(stream: &Arc<CudaStream>, s: &ExpertStack) -> Result<Self> {
+        let (data, scales) = pack::pack_nvfp4(s);
+        Ok(Self {
+            nvfp4: true,
+            data: stream.clone_htod(&data).map_err(driver_err("weight upload"))?,
+            scales: stream.clone_htod(&scales).map_err(driver_err("weight upload"))?,
+            scale_2: stream.clone_htod(&s.scale_2).map_err(driver_err("weight upload"))?,
+            rows: s.rows,
+            k: s.cols,
+            shards: s.shards,
+        })
+    }
+
+    fn from_dense(stream: &Arc<CudaStream>, w: &DenseWeight, shards: usize) -> Result<Self> {
+        match w {
+            DenseWeight::Nvfp4(s) => Self::from_stack(stream, s),
+            DenseWeight::Bf16 { rows, cols, data } => {
+                let packed = pack::pack_bf16(*rows, *cols, data);
+                Ok(Self {
+                    nvfp4: false,
+                    data: stream.clone_htod(&packed).map_err(driver_err("weight upload"))?,
+                    scales: stream.alloc_zeros::<u8>(1).map_err(driver_err("weight upload"))?,
+                    scale_2: stream.clone_htod(&vec![1.0f32; shards]).map_err(driver_err("weight upload"))?,
+                    rows: *rows,
+                    k: *cols,
+                    shards,
+                })
+            }
+        }
+    }
+}
+
+/// Device buffers for one batch size.
+pub struct CudaWorkspace {
+    tokens: usize,
+    pub x: CudaSlice<f32>,
+    pub logits: CudaSlice<f32>,
+    /// Routing result of the last forward: `[T, k]` expert ids and weights (rsf included).
+    pub ids: CudaSlice<i32>,
+    pub weights: CudaSlice<f32>,
+    pub out: CudaSlice<f32>,
+    a: CudaSlice<u16>,
+    xs: CudaSlice<u16>,
+    offsets: CudaSlice<i32>,
+    sorted: CudaSlice<i32>,
+    active: CudaSlice<i32>,
+    num_active: CudaSlice<i32>,
+    g: CudaSlice<u16>,
+    o: CudaSlice<f32>,
+    sh_offsets: CudaSlice<i32>,
+    sh_sorted: CudaSlice<i32>,
+    sh_active: CudaSlice<i32>,
+    sh_num: CudaSlice<i32>,
+    sh_ones: CudaSlice<f32>,
+    sh_g: CudaSlice<u16>,
+    sh_o: CudaSlice<f32>,
+}
+
+impl CudaWorkspace {
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+}
+
+/// A MoE layer resident on the GPU.
+pub struct CudaLayer {
+    spec: MoeSpec,
+    dev: &'static Device,
+    w13: DeviceProjection,
+    w2: DeviceProjection,
+    shared: Option<(DeviceProjection, DeviceProjection)>,
+    router: Option<CudaSlice<f32>>,
+    bias: Option<CudaSlice<f32>>,
+    gs1: Option<f32>,
+    gs2: Option<f32>,
+}
+
+/// Largest counts the kernels handle (shared-memory tables of `sort_pairs` and `route_topk`).
+pub const MAX_EXPERTS: usize = 512;
+pub const MAX_TOP_K: usize = 32;
+pub const MAX_GROUPS: usize = 32;
+
+/// Dynamic shared memory of a GEMM block: two lookup tables and `8·nsub` activation rows.
+fn gemm_smem(nsub: usize, k: usize) -> usize {
+    2048 + 8 * nsub * (pack::padded_k(k) + 8) * 2
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+impl CudaLayer {
+    /// Uploads `weights` (validated against `spec`) in the kernels' layout.
+    pub fn new(spec: &MoeSpec, weights: &MoeWeights) -> Result<Self> {
+        weights.validate(spec)?;
+        let dev = device()?;
+        dev.kernels()?;
+        let st = &dev.stream;
+        let up = |v: &Vec<f32>| st.clone_htod(v).map_err(driver_err("weight upload"));
+        let (gs1, gs2) = match spec.quant {
+            QuantMode::W4A16 => (None, None),
+            QuantMode::W4A4 { intermediate } => (weights.input_global_scale(), weights.intermediate_global_scale(intermediate)),
+        };
+        let shards = spec.activation.w13_shards();
+        let shared = match &weights.shared {
+            Some(sh) => Some((DeviceProjection::from_dense(st, &sh.w13, shards)?, DeviceProjection::from_dense(st, &sh.w2, 1)?)),
+            None => None,
+        };
+        Ok(Self {
+            spec: *spec,
+            dev,
+            w13: DeviceProjection::from_stack(st, &weights.w13)?,
+            w2: DeviceProjection::from_stack(st, &weights.w2)?,
+            shared,
+            router: weights.router.as_ref().map(up).transpose()?,
+            bias: weights.e_score_correction_bias.as_ref().map(up).transpose()?,
+            gs1,
+            gs2,
+        })
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.dev.stream
+    }
+
+    pub fn device(&self) -> &'static Device {
+        self.dev
+    }
+
+    /// Device bytes a workspace for `tokens` tokens takes.
+    pub fn workspace_bytes(spec: &MoeSpec, tokens: usize) -> usize {
+        let (h, i, e, k) = (spec.shape.hidden, spec.shape.intermediate, spec.shape.experts, spec.routing.top_k);
+        let p = tokens * k;
+        let w = spec.shared_intermediate.unwrap_or(0);
+        4 * (2 * tokens * h + tokens * e + 2 * p + 2 * (e + 1) + p + 2 + tokens + p * h + tokens * h + 2 * tokens + 2)
+            + 2 * (2 * tokens * h + p * i + tokens * w)
+    }
+
+    /// Allocates the device buffers of a forward over `tokens` tokens.
+    pub fn workspace(&self, tokens: usize) -> Result<CudaWorkspace> {
+        let st = &self.dev.stream;
+        let (h, i, e, k) = (self.spec.shape.hidden, self.spec.shape.intermediate, self.spec.shape.experts, self.spec.routing.top_k);
+        let p = tokens * k;
+        let w = self.spec.shared_intermediate.unwrap_or(0);
+        let f = |n: usize| st.alloc_zeros::<f32>(n.max(1)).map_err(driver_err("workspace allocation"));
+        let i32s = |n: usize| st.alloc_zeros::<i32>(n.max(1)).map_err(driver_err("workspace allocation"));
+        let b16 = |n: usize| st.alloc_zeros::<u16>(n.max(1)).map_err(driver_err("workspace allocation"));
+        let has_shared = self.shared.is_some();
+        Ok(CudaWorkspace {
+            tokens,
+            x: f(tokens * h)?,
+            logits: f(tokens * e)?,
+            ids: i32s(p)?,
+            weights: f(p)?,
+            out: f(tokens * h)?,
+            a: b16(tokens * h)?,
+            xs: b16(if has_shared { tokens * h } else { 0 })?,
+            offsets: i32s(e + 1)?,
+            sorted: i32s(p)?,
+            active: i32s(e)?,
+            num_active: i32s(1)?,
+            g: b16(p * i)?,
+            o: f(p * h)?,
+            sh_offsets: i32s(2)?,
+            sh_sorted: i32s(tokens)?,
+            sh_active: i32s(1)?,
+            sh_num: i32s(1)?,
+            sh_ones: f(tokens)?,
+            sh_g: b16(tokens * w)?,
+            sh_o: f(if has_shared { tokens * h } else { 0 })?,
+        })
+    }
+
+    fn launch<'a>(&'a self, name: &str, cfg: LaunchConfig, args: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>)) -> Result<()> {
+        let f: &'a CudaFunction = self.dev.function(name)?;
+        let mut b = self.dev.stream.launch_builder(f);
+        args(&mut b);
+        // SAFETY: every kernel's arguments are pushed in the order and types of its C signature,
+        // with buffers sized by `workspace` for the workspace's token count (checked by callers).
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| Error::Cuda {
+            stage: "kernel launch",
+            message: format!("{name}: {e}"),
+        })
+    }
+
+    /// Routing on the device: `ws.ids`, `ws.weights` from `logits` (`[T, E]`, or computed from the
+    /// router weight when `None`) for the tokens in `ws.x`.
+    pub fn route_device(&self, ws: &mut CudaWorkspace, logits: Option<&CudaSlice<f32>>) -> Result<()> {
+        let (t, h, e) = (ws.tokens as i32, self.spec.shape.hidden as i32, self.spec.shape.experts as i32);
+        let r = self.spec.routing;
+        let st = &self.dev.stream;
+        let logits_ptr = match logits {
+            Some(l) => ptr(l, st),
+            None => {
+                let router = self.router.as_ref().ok_or_else(|| Error::arg("router_logits", "the layer has no router weight: pass router logits"))?;
+                let warps = (t * e) as u32;
+                let cfg = LaunchConfig {
+                    grid_dim: (warps.div_ceil(8), 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let (x, l) = (ptr(&ws.x, st), ptr(&ws.logits, st));
+                let rp = ptr(router, st);
+                self.launch("router_logits", cfg, |b| {
+                    b.arg(&x).arg(&rp).arg(&l).arg(&t).arg(&h).arg(&e);
+                })?;
+                l
+            }
+        };
+        let bias = self.bias.as_ref().map_or(0u64, |b| ptr(b, st));
+        let (ids, w) = (ptr(&ws.ids, st), ptr(&ws.weights, st));
+        let (k, scoring) = (r.top_k as i32, i32::from(r.scoring == Scoring::Sigmoid));
+        let (ng, tg, renorm, rsf) = (r.n_group as i32, r.topk_group as i32, i32::from(r.renormalize), r.routed_scaling_factor);
+        let cfg = LaunchConfig {
+            grid_dim: ((t as u32).div_ceil(4), 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 4 * 4 * (2 * e as u32 + 64),
+        };
+        self.launch("route_topk", cfg, |b| {
+            b.arg(&logits_ptr).arg(&bias).arg(&ids).arg(&w).arg(&t).arg(&e).arg(&k).arg(&scoring).arg(&ng).arg(&tg).arg(&renorm).arg(&rsf);
+        })
+    }
+
+    fn nsub(&self, tokens: usize, k: usize) -> usize {
+        let e = self.spec.shape.experts;
+        let per_expert = (tokens * self.spec.routing.top_k).div_ceil(e).max(1);
+        let fits = |n: usize| gemm_smem(n, k) <= self.dev.max_shared_bytes;
+        let want = if tokens <= 8 || per_expert <= 4 { 1 } else if per_expert <= 12 { 2 } else { 4 };
+        [want, 2, 1].into_iter().filter(|&n| n <= want).find(|&n| fits(n)).unwrap_or(1)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(&self, name: &str, proj: &DeviceProjection, params: GemmParams, rg_out: usize, slots: usize, tokens: usize) -> Result<()> {
+        let nsub = self.nsub(tokens, proj.k);
+        let kname = format!("{name}_n{nsub}");
+        let smem = gemm_smem(nsub, proj.k) as u32;
+        if smem as usize > self.dev.max_shared_bytes {
+            return Err(Error::Unsupported {
+                backend: "cuda".into(),
+                reason: format!("K = {} needs {smem} bytes of shared memory per block; the device allows {}", proj.k, self.dev.max_shared_bytes),
+            });
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (rg_out.div_ceil(4) as u32, slots as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        self.launch(&kname, cfg, |b| {
+            b.arg(&params);
+        })
+    }
+
+    /// The experts for the routing in `ws.ids` / `ws.weights`: `ws.out = Σ w · expert(x) + shared(x)`.
+    pub fn experts_device(&self, ws: &mut CudaWorkspace) -> Result<()> {
+        let st = &self.dev.stream;
+        let s = &self.spec;
+        let (t, h, i, e, k) = (ws.tokens, s.shape.hidden, s.shape.intermediate, s.shape.experts, s.routing.top_k);
+        let p = t * k;
+        let act = s.activation;
+        let gated = act.is_gated();
+        let act_id = crate::spec::Activation::ALL.iter().position(|a| *a == act).unwrap_or(0) as i32;
+
+        let (pairs, experts) = (p as i32, e as i32);
+        let (ids, off, sorted, active, num) = (ptr(&ws.ids, st), ptr(&ws.offsets, st), ptr(&ws.sorted, st), ptr(&ws.active, st), ptr(&ws.num_active, st));
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 4 * 33 * e as u32,
+        };
+        self.launch("sort_pairs", cfg, |b| {
+            b.arg(&ids).arg(&pairs).arg(&experts).arg(&off).arg(&sorted).arg(&active).arg(&num);
+        })?;
+
+        let (x, a) = (ptr(&ws.x, st), ptr(&ws.a, st));
+        let xs = if self.shared.is_some() { ptr(&ws.xs, st) } else { 0u64 };
+        let gs = self.gs1.unwrap_or(0.0);
+        let hid = h as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("prepare_input", cfg, |b| {
+            b.arg(&x).arg(&a).arg(&xs).arg(&hid).arg(&gs);
+        })?;
+
+        let slots = p.min(e);
+        let (g, o, tw) = (ptr(&ws.g, st), ptr(&ws.o, st), ptr(&ws.weights, st));
+        let kind = |proj: &DeviceProjection| if proj.nvfp4 { "nvfp4" } else { "bf16" };
+        let gemm1_name = |proj: &DeviceProjection| format!("gemm1_{}_{}", kind(proj), if gated { "gated" } else { "plain" });
+        let base = |proj: &DeviceProjection| GemmParams {
+            wdata: ptr(&proj.data, st),
+            wscales: ptr(&proj.scales, st),
+            wscale2: ptr(&proj.scale_2, st),
+            kg: (pack::padded_k(proj.k) / 64) as i32,
+            k: proj.k as i32,
+            shards: proj.shards as i32,
+            rg_w: (proj.rows / 16) as i32,
+            activation: act_id,
+            ..Default::default()
+        };
+        let p1 = GemmParams {
+            act: a,
+            offsets: off,
+            sorted,
+            active,
+            num_active: num,
+            g_out: g,
+            rg_out: (i / 16) as i32,
+            top_k: k as i32,
+            out_stride: i as i32,
+            act_alpha: self.gs1.map_or(1.0, |gs| 1.0 / gs),
+            gs_out: self.gs2.unwrap_or(0.0),
+            ..base(&self.w13)
+        };
+        self.gemm(&gemm1_name(&self.w13), &self.w13, p1, i / 16, slots, t)?;
+        let p2 = GemmParams {
+            act: g,
+            offsets: off,
+            sorted,
+            active,
+            num_active: num,
+            topk_w: tw,
+            o_out: o,
+            rg_out: (h / 16) as i32,
+            top_k: 0,
+            out_stride: h as i32,
+            act_alpha: self.gs2.map_or(1.0, |gs| 1.0 / gs),
+            ..base(&self.w2)
+        };
+        self.gemm(&format!("gemm2_{}", kind(&self.w2)), &self.w2, p2, h / 16, slots, t)?;
+
+        let mut sh_o = 0u64;
+        if let Some((s13, s2)) = &self.shared {
+            let width = s.shared_intermediate.unwrap_or(0);
+            let (so, ss, sa, sn, ones) = (ptr(&ws.sh_offsets, st), ptr(&ws.sh_sorted, st), ptr(&ws.sh_active, st), ptr(&ws.sh_num, st), ptr(&ws.sh_ones, st));
+            let tt = t as i32;
+            let cfg = LaunchConfig {
+                grid_dim: ((t as u32).div_ceil(256), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("shared_meta", cfg, |b| {
+                b.arg(&tt).arg(&so).arg(&ss).arg(&sa).arg(&sn).arg(&ones);
+            })?;
+            let (sg, xs_p) = (ptr(&ws.sh_g, st), ptr(&ws.xs, st));
+            sh_o = ptr(&ws.sh_o, st);
+            let q1 = GemmParams {
+                act: xs_p,
+                offsets: so,
+                sorted: ss,
+                active: sa,
+                num_active: sn,
+                g_out: sg,
+                rg_out: (width / 16) as i32,
+                top_k: 1,
+                out_stride: width as i32,
+                act_alpha: 1.0,
+                gs_out: 0.0,
+                ..base(s13)
+            };
+            self.gemm(&gemm1_name(s13), s13, q1, width / 16, 1, t)?;
+            let q2 = GemmParams {
+                act: sg,
+                offsets: so,
+                sorted: ss,
+                active: sa,
+                num_active: sn,
+                topk_w: ones,
+                o_out: sh_o,
+                rg_out: (h / 16) as i32,
+                top_k: 0,
+                out_stride: h as i32,
+                act_alpha: 1.0,
+                ..base(s2)
+            };
+            self.gemm(&format!("gemm2_{}", kind(s2)), s2, q2, h / 16, 1, t)?;
+        }
+
+        let y = ptr(&ws.out, st);
+        let (tt, kk) = (t as i32, k as i32);
+        let n = (t * h) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("combine", cfg, |b| {
+            b.arg(&o).arg(&sh_o).arg(&y).arg(&tt).arg(&kk).arg(&hid);
+        })
+    }
+
+    /// The whole layer on the device: routing (from `logits` or the router weight) and experts,
+    /// reading `ws.x` and writing `ws.out`, `ws.ids`, `ws.weights`. Enqueues work on
+    /// [`CudaLayer::stream`] only; no host synchronization, so it can be captured in a graph.
+    pub fn forward_device(&self, ws: &mut CudaWorkspace, logits: Option<&CudaSlice<f32>>) -> Result<()> {
+        self.route_device(ws, logits)?;
+        self.experts_device(ws)
+    }
+}
+
+/// [`CudaLayer`] behind the host-memory backend trait.
+pub(crate) struct CudaExperts {
+    layer: CudaLayer,
+    ws: Mutex<Option<CudaWorkspace>>,
+}
+
+impl CudaExperts {
+    pub(crate) fn new(spec: &MoeSpec, w: Arc<MoeWeights>) -> Result<Self> {
+        Ok(Self {
+            layer: CudaLayer::new(spec, &w)?,
+            ws: Mutex::new(None),
+        })
+    }
+
+    fn with_workspace<T>(&self, tokens: usize, f: impl FnOnce(&CudaLayer, &mut CudaWorkspace) -> Result<T>) -> Result<T> {
+        let mut guard = self.ws.lock().map_err(|_| Error::Cuda {
+            stage: "workspace",
+            message: "a previous forward panicked while holding the workspace".into(),
+        })?;
+        if guard.as_ref().map(|w| w.tokens) != Some(tokens) {
+            *guard = None;
+            *guard = Some(self.layer.workspace(tokens)?);
+        }
+        match guard.as_mut() {
+            Some(ws) => f(&self.layer, ws),
+            None => Err(Error::Cuda {
+                stage: "workspace",
+                message: "workspace allocation failed".into(),
+            }),
+        }
+    }
+}
+
+impl Experts for CudaExperts {
+    fn workspace_bytes(&self, tokens: usize) -> usize {
+        CudaLayer::workspace_bytes(&self.layer.spec, tokens)
+    }
+
+    fn forward(&self, x: &[f32], topk: &TopK, out: &mut [f32], _ws: &mut Workspace) -> Result<()> {
+        self.with_workspace(topk.tokens, |layer, ws| {
+            let st = layer.stream();
+            st.memcpy_htod(x, &mut ws.x).map_err(driver_err("input upload"))?;
+            st.memcpy_htod(&topk.ids, &mut ws.ids).map_err(driver_err("input upload"))?;
+            st.memcpy_htod(&topk.weights, &mut ws.weights).map_err(driver_err("input upload"))?;
+            layer.experts_device(ws)?;
+            st.memcpy_dtoh(&ws.out, out).map_err(driver_err("output download"))?;
+            st.synchronize().map_err(driver_err("synchronize"))
+        })
+    }
+
+    fn routes_on_device(&self) -> bool {
+        true
+    }
+
+    fn run_routed(&self, x: &[f32], logits: Option<&[f32]>, out: &mut [f32]) -> Result<TopK> {
+        let tokens = x.len() / self.layer.spec.shape.hidden;
+        let k = self.layer.spec.routing.top_k;
+        self.with_workspace(tokens, |layer, ws| {
+            let st = layer.stream();
+            st.memcpy_htod(x, &mut ws.x).map_err(driver_err("input upload"))?;
+            let dl = match logits {
+                Some(l) => Some(st.clone_htod(l).map_err(driver_err("input upload"))?),
+                None => None,
+            };
+            layer.forward_device(ws, dl.as_ref())?;
+            let mut topk = TopK {
+                tokens,
+                k,
+                ids: vec![0; tokens * k],
+                weights: vec![0.0; tokens * k],
+            };
+            st.memcpy_dtoh(&ws.out, out).map_err(driver_err("output download"))?;
+            st.memcpy_dtoh(&ws.ids, &mut topk.ids).map_err(driver_err("output download"))?;
+            st.memcpy_dtoh(&ws.weights, &mut topk.weights).map_err(driver_err("output download"))?;
+            st.synchronize().map_err(driver_err("synchronize"))?;
+            Ok(topk)
+        })
+    }
+}
