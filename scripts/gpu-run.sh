@@ -1,34 +1,62 @@
 #!/usr/bin/env bash
 # One device call: every staged test with FP4MOE_REQUIRE_GPU=1, compute-sanitizer on the small
-# GPU tests, `fp4moe bench` for both presets and modes, and the PyTorch bf16 peer on the same
-# presets. Run from the repo root on the GPU machine after ../shared/tools/gpu-stage.
-# usage: bash scripts/gpu-run.sh [tests|bench|all]   (results under $OUT)
+# GPU tests, an ncu kernel-time breakdown, `fp4moe bench` for both presets and modes, and the
+# PyTorch bf16 peer on the same presets. Run from the repo root on the GPU machine after
+# ../shared/tools/gpu-stage. Logs go to $OUT/logs.tar.gz, benchmark JSON beside it.
+# usage: bash scripts/gpu-run.sh [tests] [sanitizer] [ncu] [bench] [torch]   (default: all)
 set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-what="${1:-all}"
+L=/tmp/fp4moe-logs; rm -rf $L; mkdir -p $L
+steps="${*:-tests sanitizer ncu bench torch}"
+has() { case " $steps " in *" $1 "*) return 0;; esac; return 1; }
 export FP4MOE_REQUIRE_GPU=1 FP4MOE_GOLDEN_DIR="$PWD/.gpu/golden" FP4MOE_CACHE_DIR=/tmp/fp4moe-cache RUST_BACKTRACE=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
-if [ "$what" != bench ]; then
-  bash .gpu/run.sh > "$OUT/tests.txt" 2>&1; echo "tests rc=$?"; grep -E "FAILED|panicked|rel err|test result" "$OUT/tests.txt" | tail -40
-  san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
-  if [ -n "$san" ]; then
-    for tool in memcheck racecheck; do
-      for t in .gpu/tests/moe_golden-* .gpu/tests/cuda_device-*; do
-        filt=cuda; case "$t" in *cuda_device*) filt=graph_capture;; esac
-        "$san" --tool $tool --error-exitcode 9 "$t" --test-threads=1 $filt > "$OUT/sanitizer-$tool-$(basename "${t%%-*}").txt" 2>&1
-        echo "compute-sanitizer $tool $(basename "${t%%-*}"): rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool-$(basename "${t%%-*}").txt" | head -1)"
-      done
-    done
-  else
-    echo "compute-sanitizer not found"
-  fi
+export FP4MOE_BIN="$PWD/.gpu/fp4moe"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee $L/gpu.txt
+if has tests; then
+  bash .gpu/run.sh > $L/tests.txt 2>&1; echo "tests rc=$?"
+  grep -E "^test .*FAILED|panicked|rel err|test result|^FAILED" $L/tests.txt | tail -60
 fi
-if [ "$what" != tests ]; then
-  for preset in nemotron3-nano qwen3-30b-a3b; do
-    for mode in w4a16 w4a4; do
-      .gpu/fp4moe bench --preset $preset --mode $mode --backend cuda --json "$OUT/bench-$preset-$mode.json" 2>&1 | tee -a "$OUT/bench.txt"
+san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if has sanitizer && [ -n "$san" ]; then
+  for tool in memcheck racecheck; do
+    for t in .gpu/tests/moe_golden-* .gpu/tests/cuda_device-*; do
+      filt=cuda; case "$t" in *cuda_device*) filt=graph_capture;; esac
+      n=$(basename "${t%-*}")
+      "$san" --tool $tool --error-exitcode 9 "$t" --test-threads=1 $filt > $L/sanitizer-$tool-$n.txt 2>&1
+      echo "compute-sanitizer $tool $n: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $L/sanitizer-$tool-$n.txt | head -1)"
     done
-    PY=/opt/torch/.venv/bin/python3; [ -x $PY ] || PY=python3
-    $PY benches/peers/torch_moe.py --preset $preset --json "$OUT/torch-$preset.json" 2>&1 | tee -a "$OUT/bench.txt"
   done
 fi
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+if has ncu && [ -n "$ncu" ]; then
+  for t in 1 64 256; do
+    "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip 0 --launch-count 30 \
+      .gpu/fp4moe bench --preset nemotron3-nano --tokens $t --backend cuda --iterations 1 > $L/ncu-nemotron-$t.csv 2>$L/ncu-nemotron-$t.err
+    echo "ncu nemotron T=$t (kernel, µs):"
+    python3 - $L/ncu-nemotron-$t.csv <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows: print("  no rows"); sys.exit()
+h = rows[0]; ki = h.index("Kernel Name"); vi = h.index("Metric Value"); ui = h.index("Metric Unit")
+acc = collections.OrderedDict()
+for r in rows[1:]:
+    v = float(r[vi].replace(",", "")); v = v / 1000 if r[ui] == "nsecond" else v * (1000 if r[ui] == "msecond" else 1)
+    acc.setdefault(r[ki].split("(")[0], []).append(v)
+for k, v in acc.items(): print(f"  {k:<28} n={len(v):<3} median {sorted(v)[len(v)//2]:8.1f}")
+PY
+  done
+fi
+if has bench; then
+  for preset in nemotron3-nano qwen3-30b-a3b; do
+    for mode in w4a16 w4a4; do
+      .gpu/fp4moe bench --preset $preset --mode $mode --backend cuda --json "$OUT/bench-$preset-$mode.json" 2>&1 | tee -a $L/bench.txt
+    done
+  done
+fi
+if has torch; then
+  for preset in nemotron3-nano qwen3-30b-a3b; do
+    PY=/opt/torch/.venv/bin/python3; [ -x $PY ] || PY=python3
+    $PY benches/peers/torch_moe.py --preset $preset --json "$L/torch-$preset.json" 2>&1 | tee -a $L/bench.txt
+  done
+fi
+tar czf "$OUT/logs.tar.gz" -C $L .

@@ -53,6 +53,7 @@ pub(crate) struct Args {
     pub backend: BackendArg,
     pub json: Option<std::path::PathBuf>,
     pub seed: u64,
+    pub iterations: Option<usize>,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -112,7 +113,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
         let touched = experts_touched(&spec, &w, &inputs);
         let (median, min) = match backend {
             Backend::Cuda => {
-                let iters = if t >= 1024 { 40 } else { 200 };
+                let iters = a.iterations.unwrap_or(if t >= 1024 { 40 } else { 200 }).max(1);
                 let tm = step(&format!("timing {t} tokens"), || fp4moe::cuda::bench::time_layer(&spec, &w, &inputs, 2, iters))
                     .with_context(|| format!("{t} tokens"))?;
                 (tm.median_us, tm.min_us)

@@ -97,6 +97,9 @@ enum Command {
         json: Option<PathBuf>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Timed graph replays per batch size (default: 200, 40 from 1024 tokens).
+        #[arg(long)]
+        iterations: Option<usize>,
     },
     /// Compile every CUDA kernel with NVRTC (no GPU needed) and print registers, shared memory
     /// and spills per kernel; fails on any spill.
@@ -268,6 +271,7 @@ fn main() -> ExitCode {
             backend,
             json,
             seed,
+            iterations,
         } => bench::run(bench::Args {
             preset,
             tokens,
@@ -275,6 +279,7 @@ fn main() -> ExitCode {
             backend,
             json,
             seed,
+            iterations,
         }),
     };
     match result {

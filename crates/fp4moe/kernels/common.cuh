@@ -104,7 +104,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // a[3] = A(g+8, 2q+8..); b[0] = B(2q..2q+1, g), b[1] = B(2q+8.., g); d[0..1] = D(g, 2q..2q+1),
 // d[2..3] = D(g+8, 2q..2q+1).
 __device__ __forceinline__ void mma_bf16_16816(float d[4], const u32 a[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -119,16 +119,17 @@ __device__ __forceinline__ __nv_bfloat162 bits_bf16x2(u32 v) {
     return *reinterpret_cast<__nv_bfloat162*>(&v);
 }
 
-// Read-only, not-L1-allocating 16-byte load for streamed weights.
+// Read-only, not-L1-allocating 16-byte load for streamed weights. Not `volatile`: the compiler
+// may hoist it above earlier mma instructions, which is what lets loads overlap compute.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
 
 __device__ __forceinline__ uint2 ld_stream2(const uint2* p) {
     uint2 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     return r;
 }

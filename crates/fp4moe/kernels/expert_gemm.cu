@@ -2,7 +2,7 @@
 // NVFP4 weights dequantized in registers, exactly (e2m1 · E4M3 has at most 6 significant bits).
 //
 // Work split: grid.y walks the active experts (slot s < num_active, expert active[s]); grid.x
-// the output row groups (16 rows per warp, 4 warps per block). A block stages NT = 8·NSUB of its
+// the output row groups, RGPB per block, each split over KSPLIT warps along K. A block stages NT = 8·NSUB of its
 // expert's activation rows (bf16, k padded to 64, rows padded by 8 elements against bank
 // conflicts) in shared memory and each warp streams its weight rows once per token tile:
 //
@@ -44,7 +44,11 @@ struct GemmParams {
     float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
 };
 
-#define WARPS 4
+// Block shape: RGPB row groups x KSPLIT slices of K, one warp each; the KSPLIT partial
+// accumulators are summed in shared memory in a fixed order (deterministic).
+#define RGPB 2
+#define KSPLIT 8
+#define WARPS (RGPB * KSPLIT)
 
 __device__ __forceinline__ void dequant_fragment(u32 word, u32 sg, u32 sg8, const u32* lut4,
                                                  const u32* lut8, u32 a[4]) {
@@ -69,14 +73,36 @@ __device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4],
     }
 }
 
+// One 64-wide k group of NVFP4 weights against the staged activations.
+template <int NSUB, bool GATED>
+__device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 su, int kgi, float acc[NSUB][4],
+                                             float accu[NSUB][4], const u32* lut4, const u32* lut8,
+                                             const __nv_bfloat16* sact, int stride, int g, int q, int nsub_valid) {
+    const u32 dw[4] = {d.x, d.y, d.z, d.w};
+    const u32 duw[4] = {du.x, du.y, du.z, du.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int kc = (kgi * 4 + j) * 16 + 2 * q;
+        u32 a[4];
+        dequant_fragment(dw[j], (s.x >> (8 * j)) & 0xff, (s.y >> (8 * j)) & 0xff, lut4, lut8, a);
+        mma_subtiles<NSUB>(acc, a, sact, stride, kc, g, nsub_valid);
+        if (GATED) {
+            dequant_fragment(duw[j], (su.x >> (8 * j)) & 0xff, (su.y >> (8 * j)) & 0xff, lut4, lut8, a);
+            mma_subtiles<NSUB>(accu, a, sact, stride, kc, g, nsub_valid);
+        }
+    }
+}
+
 // KIND 0: NVFP4 weights, 1: bf16 weights. STAGE 1: GEMM1 + activation, 2: GEMM2.
 template <int KIND, int STAGE, bool GATED, int NSUB>
 __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     constexpr int NT = 8 * NSUB;
+    constexpr int NACC = NSUB * 4 * (GATED ? 2 : 1);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u32* lut4 = reinterpret_cast<u32*>(smem_raw);
     u32* lut8 = lut4 + 256;
     __nv_bfloat16* sact = reinterpret_cast<__nv_bfloat16*>(lut8 + 256);
+    float* red = reinterpret_cast<float*>(sact);  // reused for the split-K sums after the MMAs
 
     int slot = blockIdx.y;
     if (slot >= p.num_active[0]) return;
@@ -84,14 +110,18 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     int base = p.offsets[e];
     int n_e = p.offsets[e + 1] - base;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    int rg = blockIdx.x * WARPS + warp;
+    int rgl = warp % RGPB, ks = warp / RGPB;
+    int rg = blockIdx.x * RGPB + rgl;
+    bool active_warp = rg < p.rg_out;
+    int per = (p.kg + KSPLIT - 1) / KSPLIT;
+    int k_lo = min(ks * per, p.kg), k_hi = min(k_lo + per, p.kg);
 
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
         float lo = (i & 7) ? e2m1_value(i & 15) : 0.0f;
         float hi = ((i >> 4) & 7) ? e2m1_value(i >> 4) : 0.0f;
         lut4[i] = bf16x2_bits(__floats2bfloat162_rn(lo, hi));
-        float s = e4m3_to_float((u8)i);
-        lut8[i] = bf16x2_bits(__floats2bfloat162_rn(s, s));
+        float sc = e4m3_to_float((u8)i);
+        lut8[i] = bf16x2_bits(__floats2bfloat162_rn(sc, sc));
     }
 
     const int kp = p.kg * 64;
@@ -111,7 +141,6 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
             *reinterpret_cast<uint4*>(sact + r * stride + c8 * 8) = v;
         }
         __syncthreads();
-        if (rg >= p.rg_out) continue;
 
         float acc[NSUB][4], accu[NSUB][4];
 #pragma unroll
@@ -119,51 +148,74 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[s][c] = accu[s][c] = 0.0f;
 
-        size_t wrow = (size_t)e * p.rg_w + rg;
-        size_t wrow_up = wrow + p.rg_out;
-        if (KIND == 0) {
-            const uint4* wd = reinterpret_cast<const uint4*>(p.wdata) + wrow * p.kg * 32 + lane;
-            const uint2* ws = reinterpret_cast<const uint2*>(p.wscales) + wrow * p.kg * 8 + g;
-            const uint4* wdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * p.kg * 32 + lane;
-            const uint2* wsu = reinterpret_cast<const uint2*>(p.wscales) + wrow_up * p.kg * 8 + g;
-#pragma unroll 2
-            for (int kgi = 0; kgi < p.kg; kgi++) {
-                uint4 d = ld_stream(wd + kgi * 32);
-                uint2 s = ld_stream2(ws + kgi * 8);
-                uint4 du;
-                uint2 su;
+        if (active_warp && k_lo < k_hi) {
+            size_t wrow = (size_t)e * p.rg_w + rg;
+            size_t wrow_up = wrow + p.rg_out;
+            if (KIND == 0) {
+                const uint4* wd = reinterpret_cast<const uint4*>(p.wdata) + wrow * p.kg * 32 + lane;
+                const uint2* ws = reinterpret_cast<const uint2*>(p.wscales) + wrow * p.kg * 8 + g;
+                const uint4* wdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * p.kg * 32 + lane;
+                const uint2* wsu = reinterpret_cast<const uint2*>(p.wscales) + wrow_up * p.kg * 8 + g;
+                // Software pipeline: the next k group's loads are in flight during this one's MMAs.
+                uint4 dn = ld_stream(wd + k_lo * 32), dun = make_uint4(0, 0, 0, 0);
+                uint2 sn = ld_stream2(ws + k_lo * 8), sun = make_uint2(0, 0);
                 if (GATED) {
-                    du = ld_stream(wdu + kgi * 32);
-                    su = ld_stream2(wsu + kgi * 8);
+                    dun = ld_stream(wdu + k_lo * 32);
+                    sun = ld_stream2(wsu + k_lo * 8);
                 }
-                const u32 dw[4] = {d.x, d.y, d.z, d.w};
-                const u32 duw[4] = {du.x, du.y, du.z, du.w};
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    int kc = (kgi * 4 + j) * 16 + 2 * q;
-                    u32 a[4];
-                    dequant_fragment(dw[j], (s.x >> (8 * j)) & 0xff, (s.y >> (8 * j)) & 0xff, lut4, lut8, a);
-                    mma_subtiles<NSUB>(acc, a, sact, stride, kc, g, nsub_valid);
+                for (int kgi = k_lo; kgi < k_hi; kgi++) {
+                    uint4 d = dn, du = dun;
+                    uint2 s = sn, su = sun;
+                    if (kgi + 1 < k_hi) {
+                        dn = ld_stream(wd + (kgi + 1) * 32);
+                        sn = ld_stream2(ws + (kgi + 1) * 8);
+                        if (GATED) {
+                            dun = ld_stream(wdu + (kgi + 1) * 32);
+                            sun = ld_stream2(wsu + (kgi + 1) * 8);
+                        }
+                    }
+                    nvfp4_kgroup<NSUB, GATED>(d, s, du, su, kgi, acc, accu, lut4, lut8, sact, stride, g, q, nsub_valid);
+                }
+            } else {
+                const int kb_n = kp / 16;
+                const uint4* wd = reinterpret_cast<const uint4*>(p.wdata) + wrow * kb_n * 32 + lane;
+                const uint4* wdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * kb_n * 32 + lane;
+                for (int kb = 4 * k_lo; kb < 4 * k_hi; kb++) {
+                    uint4 d = ld_stream(wd + kb * 32);
+                    const u32 a[4] = {d.x, d.y, d.z, d.w};
+                    mma_subtiles<NSUB>(acc, a, sact, stride, kb * 16 + 2 * q, g, nsub_valid);
                     if (GATED) {
-                        dequant_fragment(duw[j], (su.x >> (8 * j)) & 0xff, (su.y >> (8 * j)) & 0xff, lut4, lut8, a);
-                        mma_subtiles<NSUB>(accu, a, sact, stride, kc, g, nsub_valid);
+                        uint4 du = ld_stream(wdu + kb * 32);
+                        const u32 au[4] = {du.x, du.y, du.z, du.w};
+                        mma_subtiles<NSUB>(accu, au, sact, stride, kb * 16 + 2 * q, g, nsub_valid);
                     }
                 }
             }
-        } else {
-            const int kb = kp / 16;
-            const uint4* wd = reinterpret_cast<const uint4*>(p.wdata) + wrow * kb * 32 + lane;
-            const uint4* wdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * kb * 32 + lane;
-            for (int k = 0; k < kb; k++) {
-                uint4 d = ld_stream(wd + k * 32);
-                const u32 a[4] = {d.x, d.y, d.z, d.w};
-                mma_subtiles<NSUB>(acc, a, sact, stride, k * 16 + 2 * q, g, nsub_valid);
-                if (GATED) {
-                    uint4 du = ld_stream(wdu + k * 32);
-                    const u32 au[4] = {du.x, du.y, du.z, du.w};
-                    mma_subtiles<NSUB>(accu, au, sact, stride, k * 16 + 2 * q, g, nsub_valid);
+        }
+
+        // Split-K reduction: slices 1..KSPLIT-1 park their sums, slice 0 adds them in order.
+        __syncthreads();  // every warp is done reading sact
+        if (ks > 0) {
+            float* dst = red + (((ks - 1) * RGPB + rgl) * 32 + lane) * NACC;
+#pragma unroll
+            for (int s = 0; s < NSUB; s++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    dst[s * 4 + c] = acc[s][c];
+                    if (GATED) dst[NSUB * 4 + s * 4 + c] = accu[s][c];
                 }
-            }
+        }
+        __syncthreads();
+        if (ks != 0 || !active_warp) continue;
+        for (int o = 1; o < KSPLIT; o++) {
+            const float* src = red + (((o - 1) * RGPB + rgl) * 32 + lane) * NACC;
+#pragma unroll
+            for (int s = 0; s < NSUB; s++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    acc[s][c] += src[s * 4 + c];
+                    if (GATED) accu[s][c] += src[NSUB * 4 + s * 4 + c];
+                }
         }
 
         if (STAGE == 1) {

@@ -280,9 +280,16 @@ pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 32;
 pub const MAX_GROUPS: usize = 32;
 
-/// Dynamic shared memory of a GEMM block: two lookup tables and `8·nsub` activation rows.
-fn gemm_smem(nsub: usize, k: usize) -> usize {
-    2048 + 8 * nsub * (pack::padded_k(k) + 8) * 2
+/// Row groups per GEMM block and K slices per row group (`expert_gemm.cu`'s RGPB and KSPLIT).
+const GEMM_RGPB: usize = 2;
+const GEMM_KSPLIT: usize = 8;
+
+/// Dynamic shared memory of a GEMM block: two lookup tables, then `8·nsub` activation rows,
+/// reused afterwards for the split-K partial sums (whichever is larger).
+fn gemm_smem(nsub: usize, k: usize, gated: bool) -> usize {
+    let act = 8 * nsub * (pack::padded_k(k) + 8) * 2;
+    let red = (GEMM_KSPLIT - 1) * GEMM_RGPB * 32 * nsub * 4 * if gated { 2 } else { 1 } * 4;
+    2048 + act.max(red)
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -422,19 +429,20 @@ impl CudaLayer {
         })
     }
 
-    fn nsub(&self, tokens: usize, k: usize) -> usize {
+    fn nsub(&self, tokens: usize, k: usize, gated: bool) -> usize {
         let e = self.spec.shape.experts;
         let per_expert = (tokens * self.spec.routing.top_k).div_ceil(e).max(1);
-        let fits = |n: usize| gemm_smem(n, k) <= self.dev.max_shared_bytes;
+        let fits = |n: usize| gemm_smem(n, k, gated) <= self.dev.max_shared_bytes;
         let want = if tokens <= 8 || per_expert <= 4 { 1 } else if per_expert <= 12 { 2 } else { 4 };
         [want, 2, 1].into_iter().filter(|&n| n <= want).find(|&n| fits(n)).unwrap_or(1)
     }
 
     #[allow(clippy::too_many_arguments)]
     fn gemm(&self, name: &str, proj: &DeviceProjection, params: GemmParams, rg_out: usize, slots: usize, tokens: usize) -> Result<()> {
-        let nsub = self.nsub(tokens, proj.k);
+        let gated = name.contains("gated");
+        let nsub = self.nsub(tokens, proj.k, gated);
         let kname = format!("{name}_n{nsub}");
-        let smem = gemm_smem(nsub, proj.k) as u32;
+        let smem = gemm_smem(nsub, proj.k, gated) as u32;
         if smem as usize > self.dev.max_shared_bytes {
             return Err(Error::Unsupported {
                 backend: "cuda".into(),
@@ -442,8 +450,8 @@ impl CudaLayer {
             });
         }
         let cfg = LaunchConfig {
-            grid_dim: (rg_out.div_ceil(4) as u32, slots as u32, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: (rg_out.div_ceil(GEMM_RGPB) as u32, slots as u32, 1),
+            block_dim: ((GEMM_RGPB * GEMM_KSPLIT * 32) as u32, 1, 1),
             shared_mem_bytes: smem,
         };
         self.launch(&kname, cfg, |b| {
