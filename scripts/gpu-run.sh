@@ -3,11 +3,11 @@
 # GPU tests, an ncu kernel-time breakdown, `fp4moe bench` for both presets and modes, and the
 # PyTorch bf16 peer on the same presets. Run from the repo root on the GPU machine after
 # ../shared/tools/gpu-stage. Logs go to $OUT/logs.tar.gz, benchmark JSON beside it.
-# usage: bash scripts/gpu-run.sh [tests] [sanitizer] [ncu] [bench] [torch]   (default: all)
+# usage: bash scripts/gpu-run.sh [tests] [sanitizer] [ncu] [shapes] [bench] [torch]   (default: all)
 set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 L=/tmp/fp4moe-logs; rm -rf $L; mkdir -p $L
-steps="${*:-tests sanitizer ncu bench torch}"
+steps="${*:-tests sanitizer ncu shapes bench torch}"
 has() { case " $steps " in *" $1 "*) return 0;; esac; return 1; }
 export FP4MOE_REQUIRE_GPU=1 FP4MOE_GOLDEN_DIR="$PWD/.gpu/golden" FP4MOE_CACHE_DIR=/tmp/fp4moe-cache RUST_BACKTRACE=1
 export FP4MOE_BIN="$PWD/.gpu/fp4moe"
@@ -40,10 +40,16 @@ if not rows: print("  no rows"); sys.exit()
 h = rows[0]; ki = h.index("Kernel Name"); vi = h.index("Metric Value"); ui = h.index("Metric Unit")
 acc = collections.OrderedDict()
 for r in rows[1:]:
-    v = float(r[vi].replace(",", "")); v = v / 1000 if r[ui] == "nsecond" else v * (1000 if r[ui] == "msecond" else 1)
+    v = float(r[vi].replace(",", "")); v = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(r[ui], 1.0) * v
     acc.setdefault(r[ki].split("(")[0], []).append(v)
 for k, v in acc.items(): print(f"  {k:<28} n={len(v):<3} median {sorted(v)[len(v)//2]:8.1f}")
 PY
+  done
+fi
+if has shapes; then
+  for shape in narrow wide; do
+    echo "== FP4MOE_GEMM_SHAPE=$shape"
+    FP4MOE_GEMM_SHAPE=$shape .gpu/fp4moe bench --preset nemotron3-nano --tokens 1,8,64,256 --backend cuda 2>&1 | tail -5 | tee -a $L/shapes.txt
   done
 fi
 if has bench; then

@@ -75,23 +75,52 @@ pub(crate) fn run(a: Args) -> Result<()> {
         BackendArg::Reference => Backend::Reference,
     };
     fp4moe::backend::require(backend, &spec)?;
-    let mut w = step("quantizing random bf16 weights (ModelOpt recipe)", || random_weights(&spec, a.seed))?;
+    let mut w = step("quantizing random bf16 weights (ModelOpt recipe)", || {
+        random_weights(&spec, a.seed)
+    })?;
     if let QuantMode::W4A4 { .. } = quant {
         let calib = random_tokens(16, spec.shape.hidden, a.seed ^ 0xCA1);
-        let l = router_logits(&calib, w.router.as_deref().unwrap_or(&[]), spec.shape.hidden, spec.shape.experts);
-        let t = route(&l, spec.shape.experts, &spec.routing, w.e_score_correction_bias.as_deref());
-        let s = step("calibrating input scales on 16 tokens", || calibrate(&spec, &w, &calib, &t)).input_scales();
+        let l = router_logits(
+            &calib,
+            w.router.as_deref().unwrap_or(&[]),
+            spec.shape.hidden,
+            spec.shape.experts,
+        );
+        let t = route(
+            &l,
+            spec.shape.experts,
+            &spec.routing,
+            w.e_score_correction_bias.as_deref(),
+        );
+        let s = step("calibrating input scales on 16 tokens", || {
+            calibrate(&spec, &w, &calib, &t)
+        })
+        .input_scales();
         w.w13_input_scale = Some(s.w13);
         w.w2_input_scale = Some(s.w2);
     }
-    let (sh, i, e, k) = (spec.shape.hidden, spec.shape.intermediate, spec.shape.experts, spec.routing.top_k);
+    let (sh, i, e, k) = (
+        spec.shape.hidden,
+        spec.shape.intermediate,
+        spec.shape.experts,
+        spec.routing.top_k,
+    );
     let per_expert_weights = (spec.activation.w13_shards() * i * sh + sh * i) as f64;
     let expert_bytes = (w.w13.expert_bytes() + w.w2.expert_bytes()) as f64;
 
     let (bandwidth, device) = match backend {
         Backend::Cuda => {
             let d = fp4moe::cuda::device()?;
-            (step("measuring device copy bandwidth", fp4moe::cuda::bench::copy_bandwidth)?, format!("{} (sm {}.{})", d.name, d.compute_capability.0, d.compute_capability.1))
+            (
+                step(
+                    "measuring device copy bandwidth",
+                    fp4moe::cuda::bench::copy_bandwidth,
+                )?,
+                format!(
+                    "{} (sm {}.{})",
+                    d.name, d.compute_capability.0, d.compute_capability.1
+                ),
+            )
         }
         _ => (0.0, "CPU".to_string()),
     };
@@ -105,17 +134,31 @@ pub(crate) fn run(a: Args) -> Result<()> {
     );
     println!(
         "{:>6} {:>11} {:>11} {:>8} {:>13} {:>14} {:>11} {:>9}",
-        "tokens", "median µs", "min µs", "experts", "mem floor µs", "comp floor µs", "time/floor", "TFLOP/s"
+        "tokens",
+        "median µs",
+        "min µs",
+        "experts",
+        "mem floor µs",
+        "comp floor µs",
+        "time/floor",
+        "TFLOP/s"
     );
     let mut rows = Vec::new();
     for &t in &a.tokens {
-        let inputs: Vec<Vec<f32>> = (0..4).map(|r| random_tokens(t, sh, a.seed + 100 * t as u64 + r)).collect();
+        let inputs: Vec<Vec<f32>> = (0..4)
+            .map(|r| random_tokens(t, sh, a.seed + 100 * t as u64 + r))
+            .collect();
         let touched = experts_touched(&spec, &w, &inputs);
         let (median, min) = match backend {
             Backend::Cuda => {
-                let iters = a.iterations.unwrap_or(if t >= 1024 { 40 } else { 200 }).max(1);
-                let tm = step(&format!("timing {t} tokens"), || fp4moe::cuda::bench::time_layer(&spec, &w, &inputs, 2, iters))
-                    .with_context(|| format!("{t} tokens"))?;
+                let iters = a
+                    .iterations
+                    .unwrap_or(if t >= 1024 { 40 } else { 200 })
+                    .max(1);
+                let tm = step(&format!("timing {t} tokens"), || {
+                    fp4moe::cuda::bench::time_layer(&spec, &w, &inputs, 2, iters)
+                })
+                .with_context(|| format!("{t} tokens"))?;
                 (tm.median_us, tm.min_us)
             }
             other => {
@@ -133,7 +176,11 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 (times[times.len() / 2], times[0])
             }
         };
-        let mem_floor = if bandwidth > 0.0 { touched * expert_bytes / bandwidth * 1e6 } else { f64::NAN };
+        let mem_floor = if bandwidth > 0.0 {
+            touched * expert_bytes / bandwidth * 1e6
+        } else {
+            f64::NAN
+        };
         let flops = 2.0 * t as f64 * k as f64 * per_expert_weights;
         let comp_floor = flops / (BF16_TFLOPS * 1e12) * 1e6;
         let floor = mem_floor.max(comp_floor);

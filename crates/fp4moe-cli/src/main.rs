@@ -221,15 +221,33 @@ fn quantize_tensors(input: &Path, output: &Path, force: bool) -> Result<()> {
 
 fn compile_kernels(archs: &[String]) -> Result<()> {
     let (major, minor) = fp4moe::cuda::nvrtc_version().map_err(anyhow::Error::msg)?;
-    println!("NVRTC {major}.{minor}, headers from {}", fp4moe::cuda::include_dir().map(|d| d.display().to_string()).unwrap_or_else(|| "?".into()));
+    println!(
+        "NVRTC {major}.{minor}, headers from {}",
+        fp4moe::cuda::include_dir()
+            .map(|d| d.display().to_string())
+            .unwrap_or_else(|| "?".into())
+    );
     let mut spills = Vec::new();
     for arch in archs {
-        let compiled = progress::step(&format!("compiling kernels for {arch}"), || fp4moe::cuda::compile_all(arch))?;
+        let compiled = progress::step(&format!("compiling kernels for {arch}"), || {
+            fp4moe::cuda::compile_all(arch)
+        })?;
         println!("\n{arch}:");
-        println!("{:<28} {:>5} {:>10} {:>7} {:>12}", "kernel", "regs", "smem (B)", "stack", "spill st/ld");
+        println!(
+            "{:<28} {:>5} {:>10} {:>7} {:>12}",
+            "kernel", "regs", "smem (B)", "stack", "spill st/ld"
+        );
         for c in &compiled {
             for k in fp4moe::cuda::parse_ptxas(&c.log) {
-                println!("{:<28} {:>5} {:>10} {:>7} {:>6}/{:<5}", k.kernel, k.registers, k.shared_bytes, k.stack_bytes, k.spill_stores, k.spill_loads);
+                println!(
+                    "{:<28} {:>5} {:>10} {:>7} {:>6}/{:<5}",
+                    k.kernel,
+                    k.registers,
+                    k.shared_bytes,
+                    k.stack_bytes,
+                    k.spill_stores,
+                    k.spill_loads
+                );
                 if k.spill_stores > 0 || k.spill_loads > 0 {
                     spills.push(format!("{arch} {}", k.kernel));
                 }

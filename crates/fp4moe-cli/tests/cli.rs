@@ -21,11 +21,14 @@ fn golden(name: &str) -> PathBuf {
     p
 }
 
+/// The binary under test: `FP4MOE_BIN` when set (staged test runs on another machine), else
+/// the one cargo built.
 fn fp4moe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fp4moe"))
-        .args(args)
-        .output()
-        .unwrap()
+    let exe = std::env::var_os("FP4MOE_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_fp4moe")),
+        PathBuf::from,
+    );
+    Command::new(exe).args(args).output().unwrap()
 }
 
 fn text(o: &Output) -> String {

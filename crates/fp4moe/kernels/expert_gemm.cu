@@ -44,11 +44,11 @@ struct GemmParams {
     float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
 };
 
-// Block shape: RGPB row groups x KSPLIT slices of K, one warp each; the KSPLIT partial
-// accumulators are summed in shared memory in a fixed order (deterministic).
-#define RGPB 2
-#define KSPLIT 8
-#define WARPS (RGPB * KSPLIT)
+// Block shape: RGPB row groups x KSPLIT slices of K, one warp each (NWARPS = 16, or 8 for the
+// 32-token variants so their accumulators fit in registers); the KSPLIT partial accumulators
+// are summed in shared memory in a fixed order (deterministic). Two shapes: narrow (few row
+// groups, many K slices: many blocks, for few tokens) and wide (one activation staging serves
+// 64 or 128 weight rows, for larger batches).
 
 __device__ __forceinline__ void dequant_fragment(u32 word, u32 sg, u32 sg8, const u32* lut4,
                                                  const u32* lut8, u32 a[4]) {
@@ -94,8 +94,9 @@ __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 s
 }
 
 // KIND 0: NVFP4 weights, 1: bf16 weights. STAGE 1: GEMM1 + activation, 2: GEMM2.
-template <int KIND, int STAGE, bool GATED, int NSUB>
+template <int KIND, int STAGE, bool GATED, int NSUB, int RGPB, int NWARPS>
 __device__ __forceinline__ void gemm_body(const GemmParams& p) {
+    constexpr int KSPLIT = NWARPS / RGPB;
     constexpr int NT = 8 * NSUB;
     constexpr int NACC = NSUB * 4 * (GATED ? 2 : 1);
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -156,25 +157,27 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 const uint2* ws = reinterpret_cast<const uint2*>(p.wscales) + wrow * p.kg * 8 + g;
                 const uint4* wdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * p.kg * 32 + lane;
                 const uint2* wsu = reinterpret_cast<const uint2*>(p.wscales) + wrow_up * p.kg * 8 + g;
-                // Software pipeline: the next k group's loads are in flight during this one's MMAs.
-                uint4 dn = ld_stream(wd + k_lo * 32), dun = make_uint4(0, 0, 0, 0);
-                uint2 sn = ld_stream2(ws + k_lo * 8), sun = make_uint2(0, 0);
-                if (GATED) {
-                    dun = ld_stream(wdu + k_lo * 32);
-                    sun = ld_stream2(wsu + k_lo * 8);
-                }
-                for (int kgi = k_lo; kgi < k_hi; kgi++) {
-                    uint4 d = dn, du = dun;
-                    uint2 s = sn, su = sun;
-                    if (kgi + 1 < k_hi) {
-                        dn = ld_stream(wd + (kgi + 1) * 32);
-                        sn = ld_stream2(ws + (kgi + 1) * 8);
-                        if (GATED) {
-                            dun = ld_stream(wdu + (kgi + 1) * 32);
-                            sun = ld_stream2(wsu + (kgi + 1) * 8);
-                        }
+                // Software pipeline, two k groups deep: a group's registers are refilled with
+                // the group two ahead as soon as its MMAs are issued.
+                uint4 da = make_uint4(0, 0, 0, 0), dua = da, db = da, dub = da;
+                uint2 sa = make_uint2(0, 0), sua = sa, sb = sa, sub = sa;
+                auto load = [&](int kgi, uint4& d, uint2& sc, uint4& du, uint2& su) {
+                    d = ld_stream(wd + kgi * 32);
+                    sc = ld_stream2(ws + kgi * 8);
+                    if (GATED) {
+                        du = ld_stream(wdu + kgi * 32);
+                        su = ld_stream2(wsu + kgi * 8);
                     }
-                    nvfp4_kgroup<NSUB, GATED>(d, s, du, su, kgi, acc, accu, lut4, lut8, sact, stride, g, q, nsub_valid);
+                };
+                load(k_lo, da, sa, dua, sua);
+                if (k_lo + 1 < k_hi) load(k_lo + 1, db, sb, dub, sub);
+                for (int kgi = k_lo; kgi < k_hi; kgi += 2) {
+                    nvfp4_kgroup<NSUB, GATED>(da, sa, dua, sua, kgi, acc, accu, lut4, lut8, sact, stride, g, q, nsub_valid);
+                    if (kgi + 2 < k_hi) load(kgi + 2, da, sa, dua, sua);
+                    if (kgi + 1 < k_hi) {
+                        nvfp4_kgroup<NSUB, GATED>(db, sb, dub, sub, kgi + 1, acc, accu, lut4, lut8, sact, stride, g, q, nsub_valid);
+                        if (kgi + 3 < k_hi) load(kgi + 3, db, sb, dub, sub);
+                    }
                 }
             } else {
                 const int kb_n = kp / 16;
@@ -207,6 +210,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         }
         __syncthreads();
         if (ks != 0 || !active_warp) continue;
+#pragma unroll
         for (int o = 1; o < KSPLIT; o++) {
             const float* src = red + (((o - 1) * RGPB + rgl) * 32 + lane) * NACC;
 #pragma unroll
@@ -268,16 +272,17 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     }
 }
 
-#define INSTANTIATE(NAME, KIND, STAGE, GATED)                                                        \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_n1(const GemmParams p) {        \
-        gemm_body<KIND, STAGE, GATED, 1>(p);                                                          \
-    }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_n2(const GemmParams p) {        \
-        gemm_body<KIND, STAGE, GATED, 2>(p);                                                          \
-    }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME##_n4(const GemmParams p) {        \
-        gemm_body<KIND, STAGE, GATED, 4>(p);                                                          \
+#define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, CFG)                               \
+    extern "C" __global__ void __launch_bounds__(NW * 32, 1) NAME##_##CFG##_n##NSUB(const GemmParams p) { \
+        gemm_body<KIND, STAGE, GATED, NSUB, RG, NW>(p);                                                \
     }
+#define INSTANTIATE(NAME, KIND, STAGE, GATED)                     \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 2, 16, narrow)   \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 2, 2, 16, narrow)   \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 4, 1, 8, narrow)    \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 8, 16, wide)     \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 2, 8, 16, wide)     \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 4, 4, 8, wide)
 
 INSTANTIATE(gemm1_nvfp4_gated, 0, 1, true)
 INSTANTIATE(gemm1_nvfp4_plain, 0, 1, false)

@@ -30,7 +30,10 @@ pub enum Error {
     #[error("CUDA is not available: {reason}")]
     CudaUnavailable { reason: String },
     #[error("CUDA {stage}: {message}")]
-    Cuda { stage: &'static str, message: String },
+    Cuda {
+        stage: &'static str,
+        message: String,
+    },
     #[error("argument `{name}`: {message}")]
     Argument { name: &'static str, message: String },
 }

@@ -171,11 +171,21 @@ impl MoeLayer {
             let e = self.spec.shape.experts;
             match logits {
                 Some(l) if l.len() != tokens * e => {
-                    return Err(Error::arg("router_logits", format!("expected {tokens} x {e} = {} values, got {}", tokens * e, l.len())))
+                    return Err(Error::arg(
+                        "router_logits",
+                        format!(
+                            "expected {tokens} x {e} = {} values, got {}",
+                            tokens * e,
+                            l.len()
+                        ),
+                    ))
                 }
                 Some(l) => check_finite("router_logits", l, e)?,
                 None if self.weights.router.is_none() => {
-                    return Err(Error::arg("router_logits", "the layer has no router weight: pass router logits"))
+                    return Err(Error::arg(
+                        "router_logits",
+                        "the layer has no router weight: pass router logits",
+                    ))
                 }
                 None => {}
             }

@@ -9,7 +9,9 @@ use fp4moe::calibration::calibrate;
 use fp4moe::cuda::CudaLayer;
 use fp4moe::moe::relative_l2;
 use fp4moe::routing::router_logits;
-use fp4moe::spec::{Activation, Intermediate, LayerShape, MoeSpec, QuantMode, RoutingConfig, Scoring};
+use fp4moe::spec::{
+    Activation, Intermediate, LayerShape, MoeSpec, QuantMode, RoutingConfig, Scoring,
+};
 use fp4moe::synthetic::{random_tokens, random_weights};
 use fp4moe::weights::MoeWeights;
 use fp4moe::{Backend, BackendChoice, MoeLayer};
@@ -24,7 +26,11 @@ fn spec(h: usize, i: usize, e: usize, k: usize, act: Activation, quant: QuantMod
         activation: act,
         quant,
         routing: RoutingConfig {
-            scoring: if act.is_gated() { Scoring::Softmax } else { Scoring::Sigmoid },
+            scoring: if act.is_gated() {
+                Scoring::Softmax
+            } else {
+                Scoring::Sigmoid
+            },
             top_k: k,
             n_group: 1,
             topk_group: 1,
@@ -40,7 +46,12 @@ fn with_scales(spec: &MoeSpec, mut w: MoeWeights, x: &[f32]) -> MoeWeights {
         let h = spec.shape.hidden;
         let calib = &x[..h * 16.min(x.len() / h)];
         let logits = router_logits(calib, w.router.as_ref().unwrap(), h, spec.shape.experts);
-        let topk = fp4moe::routing::route(&logits, spec.shape.experts, &spec.routing, w.e_score_correction_bias.as_deref());
+        let topk = fp4moe::routing::route(
+            &logits,
+            spec.shape.experts,
+            &spec.routing,
+            w.e_score_correction_bias.as_deref(),
+        );
         let s = calibrate(spec, &w, calib, &topk).input_scales();
         w.w13_input_scale = Some(s.w13);
         w.w2_input_scale = Some(s.w2);
@@ -64,17 +75,42 @@ fn check(spec: MoeSpec, tokens: usize, seed: u64) {
     assert!(relative_l2(&topk.weights, &want_topk.weights) < 1e-6);
 
     let (again, _) = gpu.run(&x, Some(&logits)).unwrap();
-    assert!(out.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "not bitwise reproducible");
+    assert!(
+        out.iter()
+            .zip(&again)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "not bitwise reproducible"
+    );
 
     let sample: Vec<usize> = (0..tokens).step_by((tokens / 12).max(1)).take(12).collect();
-    let xs: Vec<f32> = sample.iter().flat_map(|&t| x[t * h..(t + 1) * h].to_vec()).collect();
-    let ls: Vec<f32> = sample.iter().flat_map(|&t| logits[t * spec.shape.experts..(t + 1) * spec.shape.experts].to_vec()).collect();
+    let xs: Vec<f32> = sample
+        .iter()
+        .flat_map(|&t| x[t * h..(t + 1) * h].to_vec())
+        .collect();
+    let ls: Vec<f32> = sample
+        .iter()
+        .flat_map(|&t| logits[t * spec.shape.experts..(t + 1) * spec.shape.experts].to_vec())
+        .collect();
     let reference = MoeLayer::new(spec, w, BackendChoice::Use(Backend::Reference)).unwrap();
     let (want, _) = reference.run(&xs, Some(&ls)).unwrap();
-    let got: Vec<f32> = sample.iter().flat_map(|&t| out[t * h..(t + 1) * h].to_vec()).collect();
+    let got: Vec<f32> = sample
+        .iter()
+        .flat_map(|&t| out[t * h..(t + 1) * h].to_vec())
+        .collect();
     let err = relative_l2(&got, &want);
-    println!("{} {} H{} I{} E{} k{} T{tokens}: rel err {err:.3e}", spec.activation, spec.quant, h, spec.shape.intermediate, spec.shape.experts, spec.routing.top_k);
-    assert!(err <= 1e-2, "relative error {err:e} against the reference backend");
+    println!(
+        "{} {} H{} I{} E{} k{} T{tokens}: rel err {err:.3e}",
+        spec.activation,
+        spec.quant,
+        h,
+        spec.shape.intermediate,
+        spec.shape.experts,
+        spec.routing.top_k
+    );
+    assert!(
+        err <= 1e-2,
+        "relative error {err:e} against the reference backend"
+    );
 }
 
 const W4A4: QuantMode = QuantMode::W4A4 {
@@ -88,7 +124,11 @@ fn nemotron_shape_every_batch_size() {
     }
     for quant in [QuantMode::W4A16, W4A4] {
         for t in [1, 7, 64, 300, 2048] {
-            check(spec(2688, 1856, 128, 6, Activation::Relu2NoMul, quant), t, 1000 + t as u64);
+            check(
+                spec(2688, 1856, 128, 6, Activation::Relu2NoMul, quant),
+                t,
+                1000 + t as u64,
+            );
         }
     }
 }
@@ -101,7 +141,11 @@ fn gated_widths_not_multiple_of_128() {
     let dynamic = QuantMode::W4A4 {
         intermediate: Intermediate::Dynamic,
     };
-    for (act, quant) in [(Activation::Silu, QuantMode::W4A16), (Activation::GeluTanh, dynamic), (Activation::Silu, W4A4)] {
+    for (act, quant) in [
+        (Activation::Silu, QuantMode::W4A16),
+        (Activation::GeluTanh, dynamic),
+        (Activation::Silu, W4A4),
+    ] {
         for t in [1, 64, 300] {
             check(spec(2880, 1856, 16, 4, act, quant), t, 2000 + t as u64);
         }
@@ -113,9 +157,17 @@ fn many_experts_and_top1() {
     if !common::gpu_available() {
         return;
     }
-    check(spec(256, 128, 512, 8, Activation::Relu2NoMul, QuantMode::W4A16), 300, 3);
+    check(
+        spec(256, 128, 512, 8, Activation::Relu2NoMul, QuantMode::W4A16),
+        300,
+        3,
+    );
     check(spec(256, 128, 512, 1, Activation::SiluNoMul, W4A4), 64, 4);
-    check(spec(2048, 768, 128, 8, Activation::Silu, QuantMode::W4A16), 64, 5);
+    check(
+        spec(2048, 768, 128, 8, Activation::Silu, QuantMode::W4A16),
+        64,
+        5,
+    );
 }
 
 #[test]
@@ -143,9 +195,13 @@ fn graph_capture_replays_the_layer() {
 
     st.memcpy_htod(&x1, &mut ws.x).unwrap();
     st.synchronize().unwrap();
-    st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
     layer.forward_device(&mut ws, None).unwrap();
-    let graph = st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
+    let graph = st
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
     graph.launch().unwrap();
     assert_eq!(st.clone_dtoh(&ws.out).unwrap(), y1);
     // New input in the same buffer: the replay computes the new routing and output.
@@ -153,7 +209,10 @@ fn graph_capture_replays_the_layer() {
     graph.launch().unwrap();
     let g2 = st.clone_dtoh(&ws.out).unwrap();
     assert_ne!(y1, y2);
-    assert!(g2.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()), "graph replay differs from eager");
+    assert!(
+        g2.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "graph replay differs from eager"
+    );
     let cpu = MoeLayer::new(s, w, BackendChoice::Use(Backend::Cpu)).unwrap();
     let (want, _) = cpu.run(&x2, None).unwrap();
     assert!(relative_l2(&g2, &want) < 1e-2);

@@ -1,10 +1,10 @@
 //! Backend weight preparation: gated w13 is interleaved and back, non-gated w13 comes out of
 //! every prepare path byte-identical, and scale swizzling round-trips per expert.
 
+use fp4moe::cuda::pack::{pack_nvfp4, unpack_nvfp4};
 use fp4moe::format::swizzle::{swizzle_128x4, unswizzle_128x4};
 use fp4moe::layout::{deinterleave_gate_up, fold_report, fold_scale_2, prepare_w13_interleaved};
 use fp4moe::spec::{Activation, LayerShape, MoeSpec, QuantMode, RoutingConfig};
-use fp4moe::cuda::pack::{pack_nvfp4, unpack_nvfp4};
 use fp4moe::synthetic::random_weights;
 
 fn spec(activation: Activation) -> MoeSpec {

@@ -246,13 +246,23 @@ mod tests {
     }
 
     #[test]
-    fn auto_picks_cpu_for_everything_both_declare() {
+    fn auto_picks_the_gpu_when_present_else_cpu() {
+        let want = if Backend::Cuda.availability().is_ok() {
+            Backend::Cuda
+        } else {
+            Backend::Cpu
+        };
         for a in Activation::ALL {
             assert_eq!(
                 select(&Backend::AUTO_ORDER, &spec(a, QuantMode::W4A16)).unwrap(),
-                Backend::Cpu
+                want
             );
         }
+        // Limits are part of the declaration: 513 experts rule the GPU out.
+        let mut big = spec(Activation::Silu, QuantMode::W4A16);
+        big.shape.experts = 513;
+        let reason = Backend::Cuda.capabilities().supports(&big).unwrap_err();
+        assert_eq!(reason, "experts = 513 exceeds its limit of 512");
     }
 
     #[test]

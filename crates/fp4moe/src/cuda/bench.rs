@@ -13,14 +13,25 @@ pub fn copy_bandwidth() -> Result<f64> {
     let dev = super::device()?;
     let st = &dev.stream;
     let n: usize = 1 << 30;
-    let src = st.alloc_zeros::<u8>(n).map_err(driver_err("bandwidth probe"))?;
-    let mut dst = st.alloc_zeros::<u8>(n).map_err(driver_err("bandwidth probe"))?;
-    let e0 = dev.ctx.new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver_err("events"))?;
-    let e1 = dev.ctx.new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver_err("events"))?;
+    let src = st
+        .alloc_zeros::<u8>(n)
+        .map_err(driver_err("bandwidth probe"))?;
+    let mut dst = st
+        .alloc_zeros::<u8>(n)
+        .map_err(driver_err("bandwidth probe"))?;
+    let e0 = dev
+        .ctx
+        .new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(driver_err("events"))?;
+    let e1 = dev
+        .ctx
+        .new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(driver_err("events"))?;
     let mut best = f32::MAX;
     for _ in 0..6 {
         e0.record(st).map_err(driver_err("events"))?;
-        st.memcpy_dtod(&src, &mut dst).map_err(driver_err("bandwidth probe"))?;
+        st.memcpy_dtod(&src, &mut dst)
+            .map_err(driver_err("bandwidth probe"))?;
         e1.record(st).map_err(driver_err("events"))?;
         e1.synchronize().map_err(driver_err("events"))?;
         best = best.min(e0.elapsed_ms(&e1).map_err(driver_err("events"))?);
@@ -39,15 +50,24 @@ pub struct Timing {
 
 /// Times `tokens`-token forwards: `inputs` token sets (each `[tokens, H]`), `copies` uploaded
 /// weight copies, one CUDA graph per (copy, input), `iterations` timed replays after warm-up.
-pub fn time_layer(spec: &MoeSpec, weights: &MoeWeights, inputs: &[Vec<f32>], copies: usize, iterations: usize) -> Result<Timing> {
-    let layers: Vec<CudaLayer> = (0..copies.max(1)).map(|_| CudaLayer::new(spec, weights)).collect::<Result<_>>()?;
+pub fn time_layer(
+    spec: &MoeSpec,
+    weights: &MoeWeights,
+    inputs: &[Vec<f32>],
+    copies: usize,
+    iterations: usize,
+) -> Result<Timing> {
+    let layers: Vec<CudaLayer> = (0..copies.max(1))
+        .map(|_| CudaLayer::new(spec, weights))
+        .collect::<Result<_>>()?;
     let st = layers[0].stream().clone();
     let dev = layers[0].device();
     let tokens = inputs.first().map_or(0, |x| x.len() / spec.shape.hidden);
     let mut wss: Vec<CudaWorkspace> = Vec::new();
     for x in inputs {
         let mut ws = layers[0].workspace(tokens)?;
-        st.memcpy_htod(x, &mut ws.x).map_err(driver_err("input upload"))?;
+        st.memcpy_htod(x, &mut ws.x)
+            .map_err(driver_err("input upload"))?;
         wss.push(ws);
     }
     // Warm-up eagerly (module load, first-touch), then capture one graph per pair.
@@ -58,9 +78,12 @@ pub fn time_layer(spec: &MoeSpec, weights: &MoeWeights, inputs: &[Vec<f32>], cop
     let mut graphs = Vec::new();
     for (i, ws) in wss.iter_mut().enumerate() {
         for layer in &layers {
-            st.begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(driver_err("graph capture"))?;
+            st.begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(driver_err("graph capture"))?;
             let r = layer.forward_device(ws, None);
-            let g = st.end_capture(dsys::CUgraphInstantiate_flags(0)).map_err(driver_err("graph capture"))?;
+            let g = st
+                .end_capture(dsys::CUgraphInstantiate_flags(0))
+                .map_err(driver_err("graph capture"))?;
             r?;
             graphs.push(g.ok_or_else(|| Error::Cuda {
                 stage: "graph capture",
@@ -68,7 +91,11 @@ pub fn time_layer(spec: &MoeSpec, weights: &MoeWeights, inputs: &[Vec<f32>], cop
             })?);
         }
     }
-    let ev = || dev.ctx.new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver_err("events"));
+    let ev = || {
+        dev.ctx
+            .new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver_err("events"))
+    };
     let events: Vec<_> = (0..=iterations).map(|_| ev()).collect::<Result<_>>()?;
     for g in graphs.iter().cycle().take(graphs.len() * 3) {
         g.launch().map_err(driver_err("graph launch"))?;
@@ -81,7 +108,11 @@ pub fn time_layer(spec: &MoeSpec, weights: &MoeWeights, inputs: &[Vec<f32>], cop
     st.synchronize().map_err(driver_err("synchronize"))?;
     let mut times: Vec<f64> = events
         .windows(2)
-        .map(|w| w[0].elapsed_ms(&w[1]).map(|ms| ms as f64 * 1e3).map_err(driver_err("events")))
+        .map(|w| {
+            w[0].elapsed_ms(&w[1])
+                .map(|ms| ms as f64 * 1e3)
+                .map_err(driver_err("events"))
+        })
         .collect::<Result<_>>()?;
     times.sort_by(f64::total_cmp);
     Ok(Timing {

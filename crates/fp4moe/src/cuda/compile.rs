@@ -19,8 +19,14 @@ pub const COMMON: (&str, &str) = ("common.cuh", include_str!("../../kernels/comm
 pub const SOURCES: [(&str, &str); 5] = [
     ("routing.cu", include_str!("../../kernels/routing.cu")),
     ("sort_pairs.cu", include_str!("../../kernels/sort_pairs.cu")),
-    ("prepare_input.cu", include_str!("../../kernels/prepare_input.cu")),
-    ("expert_gemm.cu", include_str!("../../kernels/expert_gemm.cu")),
+    (
+        "prepare_input.cu",
+        include_str!("../../kernels/prepare_input.cu"),
+    ),
+    (
+        "expert_gemm.cu",
+        include_str!("../../kernels/expert_gemm.cu"),
+    ),
     ("combine.cu", include_str!("../../kernels/combine.cu")),
 ];
 
@@ -75,7 +81,9 @@ pub fn include_dir() -> Option<PathBuf> {
             }
         }
     }
-    candidates.into_iter().find(|d| d.join("cuda_bf16.h").is_file())
+    candidates
+        .into_iter()
+        .find(|d| d.join("cuda_bf16.h").is_file())
 }
 
 /// NVRTC's version as (major, minor).
@@ -120,11 +128,25 @@ pub fn compile(file: &str, source: &str, arch: &str) -> Result<Compiled, Compile
     })?;
     let opts = options(arch, &include);
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (source, COMMON.1, &opts[..opts.len() - 1], version, arch, env!("CARGO_PKG_VERSION")).hash(&mut h);
-    let key = format!("{}-{arch}-{:016x}", file.trim_end_matches(".cu"), h.finish());
-    let cached = cache_dir().map(|d| (d.join(format!("{key}.cubin")), d.join(format!("{key}.log"))));
+    (
+        source,
+        COMMON.1,
+        &opts[..opts.len() - 1],
+        version,
+        arch,
+        env!("CARGO_PKG_VERSION"),
+    )
+        .hash(&mut h);
+    let key = format!(
+        "{}-{arch}-{:016x}",
+        file.trim_end_matches(".cu"),
+        h.finish()
+    );
+    let cached =
+        cache_dir().map(|d| (d.join(format!("{key}.cubin")), d.join(format!("{key}.log"))));
     if let Some((cubin_path, log_path)) = &cached {
-        if let (Ok(cubin), Ok(log)) = (std::fs::read(cubin_path), std::fs::read_to_string(log_path)) {
+        if let (Ok(cubin), Ok(log)) = (std::fs::read(cubin_path), std::fs::read_to_string(log_path))
+        {
             return Ok(Compiled {
                 file: file.to_string(),
                 cubin,
@@ -166,35 +188,63 @@ fn nvrtc_cubin(file: &str, source: &str, opts: &[String]) -> Result<(Vec<u8>, St
     let hdr_name = CString::new(COMMON.0).map_err(|e| e.to_string())?;
     let headers = [hdr_src.as_ptr()];
     let include_names = [hdr_name.as_ptr()];
-    let c_opts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str())).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let c_opts: Vec<CString> = opts
+        .iter()
+        .map(|o| CString::new(o.as_str()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
     let opt_ptrs: Vec<*const std::ffi::c_char> = c_opts.iter().map(|o| o.as_ptr()).collect();
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: every pointer refers to a NUL-terminated string that outlives the call; one header.
     check(
-        unsafe { sys::nvrtcCreateProgram(&mut prog, src.as_ptr(), name.as_ptr(), 1, headers.as_ptr(), include_names.as_ptr()) },
+        unsafe {
+            sys::nvrtcCreateProgram(
+                &mut prog,
+                src.as_ptr(),
+                name.as_ptr(),
+                1,
+                headers.as_ptr(),
+                include_names.as_ptr(),
+            )
+        },
         "nvrtcCreateProgram",
     )?;
     // SAFETY: `prog` was created above; the option pointers live until the call returns.
-    let compiled = unsafe { sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr()) };
+    let compiled =
+        unsafe { sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr()) };
     let mut log_len = 0usize;
     // SAFETY: `prog` is valid; the out-pointer is valid.
     let mut log = String::new();
-    if unsafe { sys::nvrtcGetProgramLogSize(prog, &mut log_len) } == sys::nvrtcResult::NVRTC_SUCCESS && log_len > 1 {
+    if unsafe { sys::nvrtcGetProgramLogSize(prog, &mut log_len) } == sys::nvrtcResult::NVRTC_SUCCESS
+        && log_len > 1
+    {
         let mut buf = vec![0u8; log_len];
         // SAFETY: `buf` holds the `log_len` bytes NVRTC asked for.
-        if unsafe { sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut std::ffi::c_char) } == sys::nvrtcResult::NVRTC_SUCCESS {
-            log = CStr::from_bytes_until_nul(&buf).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+        if unsafe { sys::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut std::ffi::c_char) }
+            == sys::nvrtcResult::NVRTC_SUCCESS
+        {
+            log = CStr::from_bytes_until_nul(&buf)
+                .map(|c| c.to_string_lossy().into_owned())
+                .unwrap_or_default();
         }
     }
-    let result = check(compiled, "nvrtcCompileProgram").map_err(|e| format!("{e}\n{log}")).and_then(|()| {
-        let mut size = 0usize;
-        // SAFETY: `prog` compiled successfully; the out-pointer is valid.
-        check(unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }, "nvrtcGetCUBINSize")?;
-        let mut cubin = vec![0u8; size];
-        // SAFETY: `cubin` holds the `size` bytes NVRTC reported.
-        check(unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char) }, "nvrtcGetCUBIN")?;
-        Ok(cubin)
-    });
+    let result = check(compiled, "nvrtcCompileProgram")
+        .map_err(|e| format!("{e}\n{log}"))
+        .and_then(|()| {
+            let mut size = 0usize;
+            // SAFETY: `prog` compiled successfully; the out-pointer is valid.
+            check(
+                unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) },
+                "nvrtcGetCUBINSize",
+            )?;
+            let mut cubin = vec![0u8; size];
+            // SAFETY: `cubin` holds the `size` bytes NVRTC reported.
+            check(
+                unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char) },
+                "nvrtcGetCUBIN",
+            )?;
+            Ok(cubin)
+        });
     // SAFETY: `prog` is valid and destroyed exactly once.
     unsafe { sys::nvrtcDestroyProgram(&mut prog) };
     result.map(|cubin| (cubin, log))

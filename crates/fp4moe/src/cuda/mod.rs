@@ -12,11 +12,13 @@
 //! A machine without a driver never reaches cudarc's loaders: [`device`] checks
 //! `is_culib_present()` first and reports [`Error::CudaUnavailable`].
 
-mod compile;
 pub mod bench;
+mod compile;
 pub mod pack;
 
-pub use compile::{compile, include_dir, nvrtc_version, parse_ptxas, CompileError, Compiled, KernelUsage, SOURCES};
+pub use compile::{
+    compile, include_dir, nvrtc_version, parse_ptxas, CompileError, Compiled, KernelUsage, SOURCES,
+};
 
 use crate::backend::{Experts, Workspace};
 use crate::error::{Error, Result};
@@ -24,8 +26,8 @@ use crate::routing::TopK;
 use crate::spec::{MoeSpec, QuantMode, Scoring};
 use crate::weights::{DenseWeight, ExpertStack, MoeWeights};
 use cudarc::driver::{
-    sys as dsys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    sys as dsys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -68,18 +70,25 @@ fn open_device() -> std::result::Result<Device, String> {
     if !unsafe { dsys::is_culib_present() } {
         return Err("no CUDA driver (libcuda) on this machine".into());
     }
-    let n = CudaContext::device_count().map_err(|e| format!("cuInit/cuDeviceGetCount failed: {e}"))?;
+    let n =
+        CudaContext::device_count().map_err(|e| format!("cuInit/cuDeviceGetCount failed: {e}"))?;
     if n < 1 {
         return Err("the CUDA driver reports no device".into());
     }
-    let ctx = CudaContext::new(0).map_err(|e| format!("cannot create a context on device 0: {e}"))?;
+    let ctx =
+        CudaContext::new(0).map_err(|e| format!("cannot create a context on device 0: {e}"))?;
     let cc = ctx.compute_capability().map_err(|e| e.to_string())?;
     if cc.0 < 8 {
-        return Err(format!("device 0 has compute capability {}.{}; fp4moe needs 8.0 (Ampere) or newer", cc.0, cc.1));
+        return Err(format!(
+            "device 0 has compute capability {}.{}; fp4moe needs 8.0 (Ampere) or newer",
+            cc.0, cc.1
+        ));
     }
     compile::nvrtc_version()?;
     if compile::include_dir().is_none() {
-        return Err("CUDA headers (cuda_bf16.h) not found: set CUDA_HOME or FP4MOE_CUDA_INCLUDE".into());
+        return Err(
+            "CUDA headers (cuda_bf16.h) not found: set CUDA_HOME or FP4MOE_CUDA_INCLUDE".into(),
+        );
     }
     // SAFETY: every buffer this backend creates is used on its one stream only, so cudarc's
     // cross-stream event tracking is unnecessary; it would also add event records to captures.
@@ -106,13 +115,18 @@ pub fn device() -> Result<&'static Device> {
     DEVICE
         .get_or_init(open_device)
         .as_ref()
-        .map_err(|reason| Error::CudaUnavailable { reason: reason.clone() })
+        .map_err(|reason| Error::CudaUnavailable {
+            reason: reason.clone(),
+        })
 }
 
 /// Compiles every kernel file for `arch` (no device needed): what CI uses to check registers,
 /// shared memory and spills.
 pub fn compile_all(arch: &str) -> std::result::Result<Vec<Compiled>, CompileError> {
-    SOURCES.iter().map(|(file, src)| compile::compile(file, src, arch)).collect()
+    SOURCES
+        .iter()
+        .map(|(file, src)| compile::compile(file, src, arch))
+        .collect()
 }
 
 impl Device {
@@ -148,10 +162,13 @@ impl Device {
     }
 
     fn function(&self, name: &str) -> Result<&CudaFunction> {
-        self.kernels()?.functions.get(name).ok_or_else(|| Error::Cuda {
-            stage: "kernel setup",
-            message: format!("kernel `{name}` is missing from the compiled modules"),
-        })
+        self.kernels()?
+            .functions
+            .get(name)
+            .ok_or_else(|| Error::Cuda {
+                stage: "kernel setup",
+                message: format!("kernel `{name}` is missing from the compiled modules"),
+            })
     }
 }
 
@@ -202,9 +219,15 @@ impl DeviceProjection {
         let (data, scales) = pack::pack_nvfp4(s);
         Ok(Self {
             nvfp4: true,
-            data: stream.clone_htod(&data).map_err(driver_err("weight upload"))?,
-            scales: stream.clone_htod(&scales).map_err(driver_err("weight upload"))?,
-            scale_2: stream.clone_htod(&s.scale_2).map_err(driver_err("weight upload"))?,
+            data: stream
+                .clone_htod(&data)
+                .map_err(driver_err("weight upload"))?,
+            scales: stream
+                .clone_htod(&scales)
+                .map_err(driver_err("weight upload"))?,
+            scale_2: stream
+                .clone_htod(&s.scale_2)
+                .map_err(driver_err("weight upload"))?,
             rows: s.rows,
             k: s.cols,
             shards: s.shards,
@@ -218,9 +241,15 @@ impl DeviceProjection {
                 let packed = pack::pack_bf16(*rows, *cols, data);
                 Ok(Self {
                     nvfp4: false,
-                    data: stream.clone_htod(&packed).map_err(driver_err("weight upload"))?,
-                    scales: stream.alloc_zeros::<u8>(1).map_err(driver_err("weight upload"))?,
-                    scale_2: stream.clone_htod(&vec![1.0f32; shards]).map_err(driver_err("weight upload"))?,
+                    data: stream
+                        .clone_htod(&packed)
+                        .map_err(driver_err("weight upload"))?,
+                    scales: stream
+                        .alloc_zeros::<u8>(1)
+                        .map_err(driver_err("weight upload"))?,
+                    scale_2: stream
+                        .clone_htod(&vec![1.0f32; shards])
+                        .map_err(driver_err("weight upload"))?,
                     rows: *rows,
                     k: *cols,
                     shards,
@@ -280,15 +309,58 @@ pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 32;
 pub const MAX_GROUPS: usize = 32;
 
-/// Row groups per GEMM block and K slices per row group (`expert_gemm.cu`'s RGPB and KSPLIT).
-const GEMM_RGPB: usize = 2;
-const GEMM_KSPLIT: usize = 8;
+/// Block shapes of the decode GEMMs: row groups per block (the rest of the 16 warps split K).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GemmShape {
+    /// 2 row groups x 8 K slices: many blocks, for few tokens.
+    Narrow,
+    /// 8 row groups x 2 K slices: one activation staging per 128 weight rows.
+    Wide,
+}
+
+impl GemmShape {
+    /// Warps per block: 16, or 8 for the 32-token variants (register budget).
+    fn warps(nsub: usize) -> usize {
+        if nsub == 4 {
+            8
+        } else {
+            16
+        }
+    }
+    /// Row groups per block (`expert_gemm.cu`'s instantiations).
+    fn rgpb(self, nsub: usize) -> usize {
+        match (self, nsub == 4) {
+            (GemmShape::Narrow, false) => 2,
+            (GemmShape::Narrow, true) => 1,
+            (GemmShape::Wide, false) => 8,
+            (GemmShape::Wide, true) => 4,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            GemmShape::Narrow => "narrow",
+            GemmShape::Wide => "wide",
+        }
+    }
+    /// Narrow below 64 tokens, wide from there; `FP4MOE_GEMM_SHAPE=narrow|wide` overrides (a
+    /// tuning knob for benchmarks).
+    fn for_tokens(tokens: usize) -> Self {
+        match std::env::var("FP4MOE_GEMM_SHAPE").as_deref() {
+            Ok("narrow") => GemmShape::Narrow,
+            Ok("wide") => GemmShape::Wide,
+            _ if tokens >= 64 => GemmShape::Wide,
+            _ => GemmShape::Narrow,
+        }
+    }
+}
 
 /// Dynamic shared memory of a GEMM block: two lookup tables, then `8·nsub` activation rows,
 /// reused afterwards for the split-K partial sums (whichever is larger).
-fn gemm_smem(nsub: usize, k: usize, gated: bool) -> usize {
+fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
     let act = 8 * nsub * (pack::padded_k(k) + 8) * 2;
-    let red = (GEMM_KSPLIT - 1) * GEMM_RGPB * 32 * nsub * 4 * if gated { 2 } else { 1 } * 4;
+    let rgpb = shape.rgpb(nsub);
+    let ksplit = GemmShape::warps(nsub) / rgpb;
+    let red = (ksplit - 1) * rgpb * 32 * nsub * 4 * if gated { 2 } else { 1 } * 4;
     2048 + act.max(red)
 }
 
@@ -307,11 +379,17 @@ impl CudaLayer {
         let up = |v: &Vec<f32>| st.clone_htod(v).map_err(driver_err("weight upload"));
         let (gs1, gs2) = match spec.quant {
             QuantMode::W4A16 => (None, None),
-            QuantMode::W4A4 { intermediate } => (weights.input_global_scale(), weights.intermediate_global_scale(intermediate)),
+            QuantMode::W4A4 { intermediate } => (
+                weights.input_global_scale(),
+                weights.intermediate_global_scale(intermediate),
+            ),
         };
         let shards = spec.activation.w13_shards();
         let shared = match &weights.shared {
-            Some(sh) => Some((DeviceProjection::from_dense(st, &sh.w13, shards)?, DeviceProjection::from_dense(st, &sh.w2, 1)?)),
+            Some(sh) => Some((
+                DeviceProjection::from_dense(st, &sh.w13, shards)?,
+                DeviceProjection::from_dense(st, &sh.w2, 1)?,
+            )),
             None => None,
         };
         Ok(Self {
@@ -321,7 +399,11 @@ impl CudaLayer {
             w2: DeviceProjection::from_stack(st, &weights.w2)?,
             shared,
             router: weights.router.as_ref().map(up).transpose()?,
-            bias: weights.e_score_correction_bias.as_ref().map(up).transpose()?,
+            bias: weights
+                .e_score_correction_bias
+                .as_ref()
+                .map(up)
+                .transpose()?,
             gs1,
             gs2,
         })
@@ -337,22 +419,51 @@ impl CudaLayer {
 
     /// Device bytes a workspace for `tokens` tokens takes.
     pub fn workspace_bytes(spec: &MoeSpec, tokens: usize) -> usize {
-        let (h, i, e, k) = (spec.shape.hidden, spec.shape.intermediate, spec.shape.experts, spec.routing.top_k);
+        let (h, i, e, k) = (
+            spec.shape.hidden,
+            spec.shape.intermediate,
+            spec.shape.experts,
+            spec.routing.top_k,
+        );
         let p = tokens * k;
         let w = spec.shared_intermediate.unwrap_or(0);
-        4 * (2 * tokens * h + tokens * e + 2 * p + 2 * (e + 1) + p + 2 + tokens + p * h + tokens * h + 2 * tokens + 2)
+        4 * (2 * tokens * h
+            + tokens * e
+            + 2 * p
+            + 2 * (e + 1)
+            + p
+            + 2
+            + tokens
+            + p * h
+            + tokens * h
+            + 2 * tokens
+            + 2)
             + 2 * (2 * tokens * h + p * i + tokens * w)
     }
 
     /// Allocates the device buffers of a forward over `tokens` tokens.
     pub fn workspace(&self, tokens: usize) -> Result<CudaWorkspace> {
         let st = &self.dev.stream;
-        let (h, i, e, k) = (self.spec.shape.hidden, self.spec.shape.intermediate, self.spec.shape.experts, self.spec.routing.top_k);
+        let (h, i, e, k) = (
+            self.spec.shape.hidden,
+            self.spec.shape.intermediate,
+            self.spec.shape.experts,
+            self.spec.routing.top_k,
+        );
         let p = tokens * k;
         let w = self.spec.shared_intermediate.unwrap_or(0);
-        let f = |n: usize| st.alloc_zeros::<f32>(n.max(1)).map_err(driver_err("workspace allocation"));
-        let i32s = |n: usize| st.alloc_zeros::<i32>(n.max(1)).map_err(driver_err("workspace allocation"));
-        let b16 = |n: usize| st.alloc_zeros::<u16>(n.max(1)).map_err(driver_err("workspace allocation"));
+        let f = |n: usize| {
+            st.alloc_zeros::<f32>(n.max(1))
+                .map_err(driver_err("workspace allocation"))
+        };
+        let i32s = |n: usize| {
+            st.alloc_zeros::<i32>(n.max(1))
+                .map_err(driver_err("workspace allocation"))
+        };
+        let b16 = |n: usize| {
+            st.alloc_zeros::<u16>(n.max(1))
+                .map_err(driver_err("workspace allocation"))
+        };
         let has_shared = self.shared.is_some();
         Ok(CudaWorkspace {
             tokens,
@@ -379,28 +490,48 @@ impl CudaLayer {
         })
     }
 
-    fn launch<'a>(&'a self, name: &str, cfg: LaunchConfig, args: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>)) -> Result<()> {
+    fn launch<'a>(
+        &'a self,
+        name: &str,
+        cfg: LaunchConfig,
+        args: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>),
+    ) -> Result<()> {
         let f: &'a CudaFunction = self.dev.function(name)?;
         let mut b = self.dev.stream.launch_builder(f);
         args(&mut b);
         // SAFETY: every kernel's arguments are pushed in the order and types of its C signature,
         // with buffers sized by `workspace` for the workspace's token count (checked by callers).
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| Error::Cuda {
-            stage: "kernel launch",
-            message: format!("{name}: {e}"),
-        })
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| Error::Cuda {
+                stage: "kernel launch",
+                message: format!("{name}: {e}"),
+            })
     }
 
     /// Routing on the device: `ws.ids`, `ws.weights` from `logits` (`[T, E]`, or computed from the
     /// router weight when `None`) for the tokens in `ws.x`.
-    pub fn route_device(&self, ws: &mut CudaWorkspace, logits: Option<&CudaSlice<f32>>) -> Result<()> {
-        let (t, h, e) = (ws.tokens as i32, self.spec.shape.hidden as i32, self.spec.shape.experts as i32);
+    pub fn route_device(
+        &self,
+        ws: &mut CudaWorkspace,
+        logits: Option<&CudaSlice<f32>>,
+    ) -> Result<()> {
+        let (t, h, e) = (
+            ws.tokens as i32,
+            self.spec.shape.hidden as i32,
+            self.spec.shape.experts as i32,
+        );
         let r = self.spec.routing;
         let st = &self.dev.stream;
         let logits_ptr = match logits {
             Some(l) => ptr(l, st),
             None => {
-                let router = self.router.as_ref().ok_or_else(|| Error::arg("router_logits", "the layer has no router weight: pass router logits"))?;
+                let router = self.router.as_ref().ok_or_else(|| {
+                    Error::arg(
+                        "router_logits",
+                        "the layer has no router weight: pass router logits",
+                    )
+                })?;
                 let warps = (t * e) as u32;
                 let cfg = LaunchConfig {
                     grid_dim: (warps.div_ceil(8), 1, 1),
@@ -418,40 +549,75 @@ impl CudaLayer {
         let bias = self.bias.as_ref().map_or(0u64, |b| ptr(b, st));
         let (ids, w) = (ptr(&ws.ids, st), ptr(&ws.weights, st));
         let (k, scoring) = (r.top_k as i32, i32::from(r.scoring == Scoring::Sigmoid));
-        let (ng, tg, renorm, rsf) = (r.n_group as i32, r.topk_group as i32, i32::from(r.renormalize), r.routed_scaling_factor);
+        let (ng, tg, renorm, rsf) = (
+            r.n_group as i32,
+            r.topk_group as i32,
+            i32::from(r.renormalize),
+            r.routed_scaling_factor,
+        );
         let cfg = LaunchConfig {
             grid_dim: ((t as u32).div_ceil(4), 1, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 4 * 4 * (2 * e as u32 + 64),
         };
         self.launch("route_topk", cfg, |b| {
-            b.arg(&logits_ptr).arg(&bias).arg(&ids).arg(&w).arg(&t).arg(&e).arg(&k).arg(&scoring).arg(&ng).arg(&tg).arg(&renorm).arg(&rsf);
+            b.arg(&logits_ptr)
+                .arg(&bias)
+                .arg(&ids)
+                .arg(&w)
+                .arg(&t)
+                .arg(&e)
+                .arg(&k)
+                .arg(&scoring)
+                .arg(&ng)
+                .arg(&tg)
+                .arg(&renorm)
+                .arg(&rsf);
         })
     }
 
-    fn nsub(&self, tokens: usize, k: usize, gated: bool) -> usize {
-        let e = self.spec.shape.experts;
-        let per_expert = (tokens * self.spec.routing.top_k).div_ceil(e).max(1);
-        let fits = |n: usize| gemm_smem(n, k, gated) <= self.dev.max_shared_bytes;
-        let want = if tokens <= 8 || per_expert <= 4 { 1 } else if per_expert <= 12 { 2 } else { 4 };
-        [want, 2, 1].into_iter().filter(|&n| n <= want).find(|&n| fits(n)).unwrap_or(1)
+    /// Token subtiles (8 tokens each) per pass: enough for the expected busiest expert under
+    /// uniform routing (mean + 4 standard deviations + 2), at most 4 and never more than
+    /// shared memory allows. Experts with more tokens take several passes.
+    fn nsub(&self, tokens: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
+        let mean = (tokens * self.spec.routing.top_k) as f64 / self.spec.shape.experts as f64;
+        let busiest = (mean + 4.0 * mean.sqrt() + 2.0).min(tokens as f64);
+        let want = ((busiest / 8.0).ceil() as usize).clamp(1, 4);
+        let want = if want == 3 { 4 } else { want };
+        [4, 2, 1]
+            .into_iter()
+            .filter(|&n| n <= want)
+            .find(|&n| gemm_smem(n, k, gated, shape) <= self.dev.max_shared_bytes)
+            .unwrap_or(1)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn gemm(&self, name: &str, proj: &DeviceProjection, params: GemmParams, rg_out: usize, slots: usize, tokens: usize) -> Result<()> {
+    fn gemm(
+        &self,
+        name: &str,
+        proj: &DeviceProjection,
+        params: GemmParams,
+        rg_out: usize,
+        slots: usize,
+        tokens: usize,
+    ) -> Result<()> {
         let gated = name.contains("gated");
-        let nsub = self.nsub(tokens, proj.k, gated);
-        let kname = format!("{name}_n{nsub}");
-        let smem = gemm_smem(nsub, proj.k, gated) as u32;
+        let shape = GemmShape::for_tokens(tokens);
+        let nsub = self.nsub(tokens, proj.k, gated, shape);
+        let kname = format!("{name}_{}_n{nsub}", shape.name());
+        let smem = gemm_smem(nsub, proj.k, gated, shape) as u32;
         if smem as usize > self.dev.max_shared_bytes {
             return Err(Error::Unsupported {
                 backend: "cuda".into(),
-                reason: format!("K = {} needs {smem} bytes of shared memory per block; the device allows {}", proj.k, self.dev.max_shared_bytes),
+                reason: format!(
+                    "K = {} needs {smem} bytes of shared memory per block; the device allows {}",
+                    proj.k, self.dev.max_shared_bytes
+                ),
             });
         }
         let cfg = LaunchConfig {
-            grid_dim: (rg_out.div_ceil(GEMM_RGPB) as u32, slots as u32, 1),
-            block_dim: ((GEMM_RGPB * GEMM_KSPLIT * 32) as u32, 1, 1),
+            grid_dim: (rg_out.div_ceil(shape.rgpb(nsub)) as u32, slots as u32, 1),
+            block_dim: ((GemmShape::warps(nsub) * 32) as u32, 1, 1),
             shared_mem_bytes: smem,
         };
         self.launch(&kname, cfg, |b| {
@@ -463,25 +629,50 @@ impl CudaLayer {
     pub fn experts_device(&self, ws: &mut CudaWorkspace) -> Result<()> {
         let st = &self.dev.stream;
         let s = &self.spec;
-        let (t, h, i, e, k) = (ws.tokens, s.shape.hidden, s.shape.intermediate, s.shape.experts, s.routing.top_k);
+        let (t, h, i, e, k) = (
+            ws.tokens,
+            s.shape.hidden,
+            s.shape.intermediate,
+            s.shape.experts,
+            s.routing.top_k,
+        );
         let p = t * k;
         let act = s.activation;
         let gated = act.is_gated();
-        let act_id = crate::spec::Activation::ALL.iter().position(|a| *a == act).unwrap_or(0) as i32;
+        let act_id = crate::spec::Activation::ALL
+            .iter()
+            .position(|a| *a == act)
+            .unwrap_or(0) as i32;
 
         let (pairs, experts) = (p as i32, e as i32);
-        let (ids, off, sorted, active, num) = (ptr(&ws.ids, st), ptr(&ws.offsets, st), ptr(&ws.sorted, st), ptr(&ws.active, st), ptr(&ws.num_active, st));
+        let (ids, off, sorted, active, num) = (
+            ptr(&ws.ids, st),
+            ptr(&ws.offsets, st),
+            ptr(&ws.sorted, st),
+            ptr(&ws.active, st),
+            ptr(&ws.num_active, st),
+        );
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (1024, 1, 1),
             shared_mem_bytes: 4 * 33 * e as u32,
         };
         self.launch("sort_pairs", cfg, |b| {
-            b.arg(&ids).arg(&pairs).arg(&experts).arg(&off).arg(&sorted).arg(&active).arg(&num);
+            b.arg(&ids)
+                .arg(&pairs)
+                .arg(&experts)
+                .arg(&off)
+                .arg(&sorted)
+                .arg(&active)
+                .arg(&num);
         })?;
 
         let (x, a) = (ptr(&ws.x, st), ptr(&ws.a, st));
-        let xs = if self.shared.is_some() { ptr(&ws.xs, st) } else { 0u64 };
+        let xs = if self.shared.is_some() {
+            ptr(&ws.xs, st)
+        } else {
+            0u64
+        };
         let gs = self.gs1.unwrap_or(0.0);
         let hid = h as i32;
         let cfg = LaunchConfig {
@@ -496,7 +687,13 @@ impl CudaLayer {
         let slots = p.min(e);
         let (g, o, tw) = (ptr(&ws.g, st), ptr(&ws.o, st), ptr(&ws.weights, st));
         let kind = |proj: &DeviceProjection| if proj.nvfp4 { "nvfp4" } else { "bf16" };
-        let gemm1_name = |proj: &DeviceProjection| format!("gemm1_{}_{}", kind(proj), if gated { "gated" } else { "plain" });
+        let gemm1_name = |proj: &DeviceProjection| {
+            format!(
+                "gemm1_{}_{}",
+                kind(proj),
+                if gated { "gated" } else { "plain" }
+            )
+        };
         let base = |proj: &DeviceProjection| GemmParams {
             wdata: ptr(&proj.data, st),
             wscales: ptr(&proj.scales, st),
@@ -537,12 +734,25 @@ impl CudaLayer {
             act_alpha: self.gs2.map_or(1.0, |gs| 1.0 / gs),
             ..base(&self.w2)
         };
-        self.gemm(&format!("gemm2_{}", kind(&self.w2)), &self.w2, p2, h / 16, slots, t)?;
+        self.gemm(
+            &format!("gemm2_{}", kind(&self.w2)),
+            &self.w2,
+            p2,
+            h / 16,
+            slots,
+            t,
+        )?;
 
         let mut sh_o = 0u64;
         if let Some((s13, s2)) = &self.shared {
             let width = s.shared_intermediate.unwrap_or(0);
-            let (so, ss, sa, sn, ones) = (ptr(&ws.sh_offsets, st), ptr(&ws.sh_sorted, st), ptr(&ws.sh_active, st), ptr(&ws.sh_num, st), ptr(&ws.sh_ones, st));
+            let (so, ss, sa, sn, ones) = (
+                ptr(&ws.sh_offsets, st),
+                ptr(&ws.sh_sorted, st),
+                ptr(&ws.sh_active, st),
+                ptr(&ws.sh_num, st),
+                ptr(&ws.sh_ones, st),
+            );
             let tt = t as i32;
             let cfg = LaunchConfig {
                 grid_dim: ((t as u32).div_ceil(256), 1, 1),
@@ -602,7 +812,11 @@ impl CudaLayer {
     /// The whole layer on the device: routing (from `logits` or the router weight) and experts,
     /// reading `ws.x` and writing `ws.out`, `ws.ids`, `ws.weights`. Enqueues work on
     /// [`CudaLayer::stream`] only; no host synchronization, so it can be captured in a graph.
-    pub fn forward_device(&self, ws: &mut CudaWorkspace, logits: Option<&CudaSlice<f32>>) -> Result<()> {
+    pub fn forward_device(
+        &self,
+        ws: &mut CudaWorkspace,
+        logits: Option<&CudaSlice<f32>>,
+    ) -> Result<()> {
         self.route_device(ws, logits)?;
         self.experts_device(ws)
     }
@@ -622,7 +836,11 @@ impl CudaExperts {
         })
     }
 
-    fn with_workspace<T>(&self, tokens: usize, f: impl FnOnce(&CudaLayer, &mut CudaWorkspace) -> Result<T>) -> Result<T> {
+    fn with_workspace<T>(
+        &self,
+        tokens: usize,
+        f: impl FnOnce(&CudaLayer, &mut CudaWorkspace) -> Result<T>,
+    ) -> Result<T> {
         let mut guard = self.ws.lock().map_err(|_| Error::Cuda {
             stage: "workspace",
             message: "a previous forward panicked while holding the workspace".into(),
@@ -649,11 +867,15 @@ impl Experts for CudaExperts {
     fn forward(&self, x: &[f32], topk: &TopK, out: &mut [f32], _ws: &mut Workspace) -> Result<()> {
         self.with_workspace(topk.tokens, |layer, ws| {
             let st = layer.stream();
-            st.memcpy_htod(x, &mut ws.x).map_err(driver_err("input upload"))?;
-            st.memcpy_htod(&topk.ids, &mut ws.ids).map_err(driver_err("input upload"))?;
-            st.memcpy_htod(&topk.weights, &mut ws.weights).map_err(driver_err("input upload"))?;
+            st.memcpy_htod(x, &mut ws.x)
+                .map_err(driver_err("input upload"))?;
+            st.memcpy_htod(&topk.ids, &mut ws.ids)
+                .map_err(driver_err("input upload"))?;
+            st.memcpy_htod(&topk.weights, &mut ws.weights)
+                .map_err(driver_err("input upload"))?;
             layer.experts_device(ws)?;
-            st.memcpy_dtoh(&ws.out, out).map_err(driver_err("output download"))?;
+            st.memcpy_dtoh(&ws.out, out)
+                .map_err(driver_err("output download"))?;
             st.synchronize().map_err(driver_err("synchronize"))
         })
     }
@@ -667,7 +889,8 @@ impl Experts for CudaExperts {
         let k = self.layer.spec.routing.top_k;
         self.with_workspace(tokens, |layer, ws| {
             let st = layer.stream();
-            st.memcpy_htod(x, &mut ws.x).map_err(driver_err("input upload"))?;
+            st.memcpy_htod(x, &mut ws.x)
+                .map_err(driver_err("input upload"))?;
             let dl = match logits {
                 Some(l) => Some(st.clone_htod(l).map_err(driver_err("input upload"))?),
                 None => None,
@@ -679,9 +902,12 @@ impl Experts for CudaExperts {
                 ids: vec![0; tokens * k],
                 weights: vec![0.0; tokens * k],
             };
-            st.memcpy_dtoh(&ws.out, out).map_err(driver_err("output download"))?;
-            st.memcpy_dtoh(&ws.ids, &mut topk.ids).map_err(driver_err("output download"))?;
-            st.memcpy_dtoh(&ws.weights, &mut topk.weights).map_err(driver_err("output download"))?;
+            st.memcpy_dtoh(&ws.out, out)
+                .map_err(driver_err("output download"))?;
+            st.memcpy_dtoh(&ws.ids, &mut topk.ids)
+                .map_err(driver_err("output download"))?;
+            st.memcpy_dtoh(&ws.weights, &mut topk.weights)
+                .map_err(driver_err("output download"))?;
             st.synchronize().map_err(driver_err("synchronize"))?;
             Ok(topk)
         })

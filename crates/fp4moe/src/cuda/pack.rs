@@ -64,7 +64,13 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
 
 /// Inverse of [`pack_nvfp4`]: the linear `(packed, scales)` of a stack of `experts` `[rows, cols]`
 /// matrices (padding dropped).
-pub fn unpack_nvfp4(data: &[u8], scales: &[u8], experts: usize, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
+pub fn unpack_nvfp4(
+    data: &[u8],
+    scales: &[u8],
+    experts: usize,
+    rows: usize,
+    cols: usize,
+) -> (Vec<u8>, Vec<u8>) {
     let kg = padded_k(cols) / 64;
     let rg_n = rows / 16;
     let mut packed = vec![0u8; experts * rows * cols / 2];
@@ -94,7 +100,13 @@ pub fn pack_bf16(rows: usize, cols: usize, w: &[bf16]) -> Vec<u8> {
     let kb_n = padded_k(cols) / 16;
     let rg_n = rows / 16;
     let mut out = vec![0u8; rg_n * kb_n * 512];
-    let at = |r: usize, c: usize| if c < cols { w[r * cols + c].to_bits() } else { 0 };
+    let at = |r: usize, c: usize| {
+        if c < cols {
+            w[r * cols + c].to_bits()
+        } else {
+            0
+        }
+    };
     for rg in 0..rg_n {
         for kb in 0..kb_n {
             for lane in 0..32 {
@@ -153,7 +165,10 @@ mod tests {
                     let want = if k % 2 == 0 { b & 0xF } else { b >> 4 };
                     assert_eq!(read_back(&data, rows, kg, e, r, k), want, "e{e} r{r} k{k}");
                     let (rg, r16, kgi, j) = (r / 16, r % 16, k / 64, (k % 64) / 16);
-                    let so = ((e * rows / 16 + rg) * kg + kgi) * 64 + 8 * (r16 % 8) + 4 * usize::from(r16 >= 8) + j;
+                    let so = ((e * rows / 16 + rg) * kg + kgi) * 64
+                        + 8 * (r16 % 8)
+                        + 4 * usize::from(r16 >= 8)
+                        + j;
                     assert_eq!(scales[so], s.scales[(e * rows + r) * cols / 16 + k / 16]);
                 }
             }
@@ -174,7 +189,10 @@ mod tests {
                 let (g, q) = (r16 % 8, (kk % 8) / 2);
                 let word = usize::from(r16 >= 8) | (usize::from(kk >= 8) << 1);
                 let o = ((rg * kb_n + kb) * 32 + 4 * g + q) * 16 + 4 * word + 2 * (kk % 2);
-                assert_eq!(u16::from_le_bytes([p[o], p[o + 1]]), w[r * cols + k].to_bits());
+                assert_eq!(
+                    u16::from_le_bytes([p[o], p[o + 1]]),
+                    w[r * cols + k].to_bits()
+                );
             }
         }
     }
