@@ -272,8 +272,11 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     }
 }
 
+// Non-gated variants are held to 64 registers (two 16-warp blocks per SM): occupancy is what
+// keeps enough weight bytes in flight. Gated and bf16 (shared expert) ones need more room.
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, CFG)                               \
-    extern "C" __global__ void __launch_bounds__(NW * 32, 1) NAME##_##CFG##_n##NSUB(const GemmParams p) { \
+    extern "C" __global__ void __launch_bounds__(NW * 32, (GATED || NSUB == 4 || KIND == 1) ? 1 : 2)             \
+        NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                  \
         gemm_body<KIND, STAGE, GATED, NSUB, RG, NW>(p);                                                \
     }
 #define INSTANTIATE(NAME, KIND, STAGE, GATED)                     \

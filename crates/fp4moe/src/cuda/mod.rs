@@ -576,14 +576,21 @@ impl CudaLayer {
         })
     }
 
-    /// Token subtiles (8 tokens each) per pass: enough for the expected busiest expert under
-    /// uniform routing (mean + 4 standard deviations + 2), at most 4 and never more than
-    /// shared memory allows. Experts with more tokens take several passes.
+    /// Token subtiles (8 tokens each) per pass, from the mean tokens per expert under uniform
+    /// routing: 1 up to 4, 2 up to 12, else 4, and never more than shared memory allows.
+    /// Busier experts take several passes (their weights come from L2 the second time); larger
+    /// tiles cost more than that in occupancy (measured: docs/KERNEL_NOTES.md).
     fn nsub(&self, tokens: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
-        let mean = (tokens * self.spec.routing.top_k) as f64 / self.spec.shape.experts as f64;
-        let busiest = (mean + 4.0 * mean.sqrt() + 2.0).min(tokens as f64);
-        let want = ((busiest / 8.0).ceil() as usize).clamp(1, 4);
-        let want = if want == 3 { 4 } else { want };
+        let per_expert = (tokens * self.spec.routing.top_k)
+            .div_ceil(self.spec.shape.experts)
+            .max(1);
+        let want = if tokens <= 8 || per_expert <= 4 {
+            1
+        } else if per_expert <= 12 {
+            2
+        } else {
+            4
+        };
         [4, 2, 1]
             .into_iter()
             .filter(|&n| n <= want)
