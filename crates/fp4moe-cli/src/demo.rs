@@ -96,6 +96,14 @@ pub(crate) fn run(
     );
     let x = random_tokens(tokens, s.hidden, seed);
     let layer = MoeLayer::new(spec, weights.clone(), backend.choice())?;
+    let need = layer.workspace_bytes(tokens);
+    if need > 8 << 30 {
+        anyhow::bail!(
+            "--tokens {tokens} needs {:.1} GB of workspace on {}; run fewer tokens",
+            need as f64 / 1e9,
+            layer.backend()
+        );
+    }
     let topk = layer.route(&x, None)?;
     let mut touched = vec![false; s.experts];
     topk.ids.iter().for_each(|&e| touched[e as usize] = true);

@@ -80,6 +80,9 @@ enum Command {
         /// Replace an existing output file.
         #[arg(long)]
         force: bool,
+        /// Exit with an error when routing or output disagree with the file's expectations.
+        #[arg(long)]
+        check: bool,
     },
     /// Time the layer per batch size against the DESIGN 5 memory and compute floors.
     Bench {
@@ -141,7 +144,13 @@ fn check_output(input: Option<&Path>, output: &Path, force: bool) -> Result<()> 
     Ok(())
 }
 
-fn run_layer(file: &Path, backend: BackendArg, output: Option<&Path>, force: bool) -> Result<()> {
+fn run_layer(
+    file: &Path,
+    backend: BackendArg,
+    output: Option<&Path>,
+    force: bool,
+    check: bool,
+) -> Result<()> {
     if let Some(o) = output {
         check_output(Some(file), o, force)?;
     }
@@ -149,7 +158,9 @@ fn run_layer(file: &Path, backend: BackendArg, output: Option<&Path>, force: boo
     let layer = MoeLayer::new(lf.spec, lf.weights.clone(), backend.choice())
         .with_context(|| format!("{}: cannot set up the layer", file.display()))?;
     let t0 = std::time::Instant::now();
-    let (out, topk) = layer.run(&lf.x, lf.router_logits.as_deref())?;
+    let (out, topk) = layer
+        .run(&lf.x, lf.router_logits.as_deref())
+        .with_context(|| format!("{}: running the layer", file.display()))?;
     let elapsed = t0.elapsed();
     let s = &lf.spec;
     println!(
@@ -173,6 +184,7 @@ fn run_layer(file: &Path, backend: BackendArg, output: Option<&Path>, force: boo
         layer.backend(),
         elapsed.as_secs_f64() * 1e3
     );
+    let mut problems = Vec::new();
     if let Some(ids) = &lf.expected.topk_ids {
         let same = ids == &topk.ids;
         println!(
@@ -183,21 +195,50 @@ fn run_layer(file: &Path, backend: BackendArg, output: Option<&Path>, force: boo
                 "DIFFER from expected_topk_ids"
             }
         );
+        if !same {
+            problems.push("routing ids differ from expected_topk_ids".to_string());
+        }
+    }
+    if let Some(w) = &lf.expected.topk_weights {
+        let e = relative_l2(&topk.weights, w);
+        println!("relative L2 error of routing weights vs expected_topk_weights: {e:.3e}");
+        if e > 1e-6 {
+            problems.push(format!(
+                "routing weights differ from expected_topk_weights by {e:.3e} (tolerance 1e-6)"
+            ));
+        }
     }
     if let Some(want) = &lf.expected.output {
+        let e = relative_l2(&out, want);
+        let tol = tolerance(layer.backend(), s.quant);
         println!(
-            "relative L2 error vs expected_output: {:.3e}",
-            relative_l2(&out, want)
+            "relative L2 error vs expected_output: {e:.3e} (tolerance {tol:e} for {})",
+            layer.backend()
         );
+        if e > tol {
+            problems.push(format!("output error {e:.3e} exceeds {tol:e}"));
+        }
     }
     if out.iter().any(|v| !v.is_finite()) {
-        bail!("the output holds non-finite values");
+        bail!("{}: the output holds non-finite values", file.display());
     }
     if let Some(o) = output {
         layer_file::write_outputs(o, &out, &topk, s.shape.hidden)?;
         println!("wrote {}", o.display());
     }
+    if check && !problems.is_empty() {
+        bail!("{}: {}", file.display(), problems.join("; "));
+    }
     Ok(())
+}
+
+/// DESIGN 2 tolerances against the float64 oracle behind the golden data.
+fn tolerance(backend: Backend, quant: fp4moe::spec::QuantMode) -> f64 {
+    match (backend, quant) {
+        (Backend::Reference, fp4moe::spec::QuantMode::W4A16) => 1e-5,
+        (Backend::Reference, _) => 5e-3,
+        _ => 1e-2,
+    }
 }
 
 fn quantize_tensors(input: &Path, output: &Path, force: bool) -> Result<()> {
@@ -275,7 +316,8 @@ fn main() -> ExitCode {
             backend,
             output,
             force,
-        } => run_layer(&file, backend, output.as_deref(), force),
+            check,
+        } => run_layer(&file, backend, output.as_deref(), force, check),
         Command::QuantizeTensors {
             input,
             output,

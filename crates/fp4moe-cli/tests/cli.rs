@@ -181,6 +181,39 @@ fn run_layer_bad_inputs() {
         &fp4moe(&["run-layer", "--file", s(&p)]),
         &["w13_weight_scale", "0x7f"],
     );
+    // A wrong expectation: reported always, an error only with --check.
+    let p = edit(
+        "expected_output",
+        &|t| {
+            t.data[0..4].copy_from_slice(&1000.0f32.to_le_bytes());
+        },
+        "wrong_expected.safetensors",
+        &mut tensors,
+    );
+    let o = fp4moe(&["run-layer", "--file", s(&p), "--backend", "reference"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("relative L2 error vs expected_output"));
+    expect_error(
+        &fp4moe(&[
+            "run-layer",
+            "--file",
+            s(&p),
+            "--backend",
+            "reference",
+            "--check",
+        ]),
+        &["wrong_expected.safetensors", "exceeds 1e-5"],
+    );
+    let good = golden("moe_silu_w4a16_softmax.safetensors");
+    let o = fp4moe(&[
+        "run-layer",
+        "--file",
+        s(&good),
+        "--backend",
+        "cpu",
+        "--check",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
 }
 
 fn write_input(path: &Path, tensors: Vec<(String, OwnedTensor)>) {

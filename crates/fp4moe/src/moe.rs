@@ -84,26 +84,38 @@ impl MoeLayer {
         Ok(x.len() / h)
     }
 
+    /// Checks `x` and the router inputs: given logits must be `[T, E]` and finite, otherwise
+    /// the layer needs a router weight. Returns the token count.
+    fn check_router_inputs(&self, x: &[f32], logits: Option<&[f32]>) -> Result<usize> {
+        let tokens = self.tokens_of(x)?;
+        let e = self.spec.shape.experts;
+        match logits {
+            Some(l) if l.len() != tokens * e => Err(Error::arg(
+                "router_logits",
+                format!(
+                    "expected {tokens} x {e} = {} values, got {}",
+                    tokens * e,
+                    l.len()
+                ),
+            )),
+            Some(l) => check_finite("router_logits", l, e)
+                .map(|()| tokens)
+                .map_err(Error::from),
+            None if self.weights.router.is_none() => Err(Error::arg(
+                "router_logits",
+                "the layer has no router weight: pass router logits",
+            )),
+            None => Ok(tokens),
+        }
+    }
+
     /// Top-k routing of `x` from the given `logits` (`[T, E]`) or from the layer's router weight.
     pub fn route(&self, x: &[f32], logits: Option<&[f32]>) -> Result<TopK> {
-        let tokens = self.tokens_of(x)?;
+        self.check_router_inputs(x, logits)?;
         let e = self.spec.shape.experts;
         let computed;
         let logits = match (logits, &self.weights.router) {
-            (Some(l), _) => {
-                if l.len() != tokens * e {
-                    return Err(Error::arg(
-                        "router_logits",
-                        format!(
-                            "expected {tokens} x {e} = {} values, got {}",
-                            tokens * e,
-                            l.len()
-                        ),
-                    ));
-                }
-                check_finite("router_logits", l, e)?;
-                l
-            }
+            (Some(l), _) => l,
             (None, Some(r)) => {
                 computed = routing::router_logits(x, r, self.spec.shape.hidden, e);
                 &computed[..]
@@ -167,28 +179,7 @@ impl MoeLayer {
     /// there (the GPU computes the router logits too when none are given).
     pub fn run(&self, x: &[f32], logits: Option<&[f32]>) -> Result<(Vec<f32>, TopK)> {
         if self.experts.routes_on_device() {
-            let tokens = self.tokens_of(x)?;
-            let e = self.spec.shape.experts;
-            match logits {
-                Some(l) if l.len() != tokens * e => {
-                    return Err(Error::arg(
-                        "router_logits",
-                        format!(
-                            "expected {tokens} x {e} = {} values, got {}",
-                            tokens * e,
-                            l.len()
-                        ),
-                    ))
-                }
-                Some(l) => check_finite("router_logits", l, e)?,
-                None if self.weights.router.is_none() => {
-                    return Err(Error::arg(
-                        "router_logits",
-                        "the layer has no router weight: pass router logits",
-                    ))
-                }
-                None => {}
-            }
+            self.check_router_inputs(x, logits)?;
             let mut out = vec![0.0f32; x.len()];
             let topk = self.experts.run_routed(x, logits, &mut out)?;
             return Ok((out, topk));

@@ -76,7 +76,7 @@ impl CpuExperts {
     }
 
     fn workspace_idx(&self, tokens: usize) -> usize {
-        self.spec.shape.experts + 1 + 2 * tokens * self.spec.routing.top_k
+        2 * self.spec.shape.experts + 1 + 2 * tokens * self.spec.routing.top_k
     }
 }
 
@@ -181,6 +181,7 @@ impl Experts for CpuExperts {
 
         // Sort pairs by expert: offsets, pairs in sorted order, sorted position of each pair.
         let (offsets, rest) = ws.idx.split_at_mut(experts + 1);
+        let (cursor, rest) = rest.split_at_mut(experts);
         let (sorted, pos) = rest.split_at_mut(pairs);
         offsets.fill(0);
         for &e in &topk.ids {
@@ -189,7 +190,7 @@ impl Experts for CpuExperts {
         for e in 0..experts {
             offsets[e + 1] += offsets[e];
         }
-        let mut cursor: Vec<u32> = offsets[..experts].to_vec();
+        cursor.copy_from_slice(&offsets[..experts]);
         for (p, &e) in topk.ids.iter().enumerate() {
             let c = &mut cursor[e as usize];
             sorted[*c as usize] = p as u32;

@@ -342,13 +342,13 @@ impl GemmShape {
             GemmShape::Wide => "wide",
         }
     }
-    /// Narrow below 64 tokens, wide from there; `FP4MOE_GEMM_SHAPE=narrow|wide` overrides (a
-    /// tuning knob for benchmarks).
+    /// Narrow below 8 tokens, wide from there (measured crossover, docs/KERNEL_NOTES.md);
+    /// `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for benchmarks).
     fn for_tokens(tokens: usize) -> Self {
         match std::env::var("FP4MOE_GEMM_SHAPE").as_deref() {
             Ok("narrow") => GemmShape::Narrow,
             Ok("wide") => GemmShape::Wide,
-            _ if tokens >= 64 => GemmShape::Wide,
+            _ if tokens >= 8 => GemmShape::Wide,
             _ => GemmShape::Narrow,
         }
     }
