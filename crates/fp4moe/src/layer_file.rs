@@ -5,17 +5,19 @@
 //! `w13_weight` U8 `[E, S·I, H/2]`, `w13_weight_scale` U8/F8_E4M3 `[E, S·I, H/16]`,
 //! `w13_weight_scale_2` F32 `[E, S]`, `w2_weight` U8 `[E, H, I/2]`, `w2_weight_scale`
 //! `[E, H, I/16]`, `w2_weight_scale_2` F32 `[E]`; optional `w13_input_scale`, `w2_input_scale`
-//! F32 `[E]` (or `[E, S]`: the max over shards is used), `e_score_correction_bias` F32 `[E]`;
-//! input `x` F32/BF16 `[T, H]` with `router_logits` F32 `[T, E]` or a router `gate_weight`
-//! F32/BF16 `[E, H]`; optional shared expert `shared_w13_weight` `[S·Is, H]` and
-//! `shared_w2_weight` `[H, Is]` (F32/BF16, used as bf16); optional `expected_topk_ids` I32
-//! `[T, k]`, `expected_topk_weights` F32 `[T, k]` (rsf included), `expected_output` F32 `[T, H]`.
+//! F32 `[E]` (or `[E, S]`: the max over shards is used), every element finite and positive;
+//! `e_score_correction_bias` F32 `[E]`; input `x` F32/BF16 `[T, H]` with `router_logits` F32
+//! `[T, E]` or a router `gate_weight` F32/BF16 `[E, H]`; optional shared expert (both tensors or
+//! neither) `shared_w13_weight` `[S·Is, H]` and `shared_w2_weight` `[H, Is]` (F32/BF16, used as
+//! bf16); optional `expected_topk_ids` I32 `[T, k]`, `expected_topk_weights` F32 `[T, k]` (rsf
+//! included), `expected_output` F32 `[T, H]`.
 //!
 //! Metadata key `case`: JSON with `activation`, `mode` (`w4a16`/`w4a4`), `intermediate`
 //! (`static`/`dynamic`, W4A4), `topk`, `scoring` (`softmax`/`sigmoid`), `renormalize`, `bias`,
 //! `n_group`, `topk_group`, `rsf`, and informative shapes.
 
 use crate::error::{Error, Result};
+use crate::format::nvfp4::check_finite;
 use crate::spec::{
     Activation, Intermediate, LayerShape, MoeSpec, QuantMode, RoutingConfig, Scoring,
 };
@@ -214,24 +216,39 @@ fn read_stack(
     Ok(stack)
 }
 
-/// Per-expert input scales `[E]` (or `[E, S]`, reduced by max over shards).
+/// Per-expert input scales `[E]` (or `[E, S]`, reduced by max over shards). Every element must
+/// be finite and positive: a bad shard must not vanish in the reduction.
 fn read_input_scale(r: &TensorReader<'_>, name: &str, e: usize) -> Result<Option<Vec<f32>>> {
     if !r.contains(name) {
         return Ok(None);
     }
     let (v, shape) = r.f32_any(name)?;
-    match shape.as_slice() {
-        [n] if *n == e => Ok(Some(v)),
-        [n, s] if *n == e && *s > 0 => Ok(Some(
-            v.chunks_exact(*s)
-                .map(|c| c.iter().fold(f32::MIN, |m, x| m.max(*x)))
-                .collect(),
-        )),
-        _ => Err(r.err(
+    let shards = match shape.as_slice() {
+        [n] if *n == e => 1,
+        [n, s] if *n == e && *s > 0 => *s,
+        _ => {
+            return Err(r.err(
+                name,
+                format!("expected shape [{e}] or [{e}, S], got {shape:?}"),
+            ))
+        }
+    };
+    if let Some(i) = v.iter().position(|s| !(s.is_finite() && *s > 0.0)) {
+        let at = if shape.len() == 1 {
+            format!("expert {i}")
+        } else {
+            format!("expert {}, shard {}", i / shards, i % shards)
+        };
+        return Err(r.err(
             name,
-            format!("expected shape [{e}] or [{e}, S], got {shape:?}"),
-        )),
+            format!("input scale {} of {at} must be finite and positive", v[i]),
+        ));
     }
+    Ok(Some(
+        v.chunks_exact(shards)
+            .map(|c| c.iter().fold(0.0f32, |m, x| m.max(*x)))
+            .collect(),
+    ))
 }
 
 fn read_dense(r: &TensorReader<'_>, name: &str, rows: usize, cols: usize) -> Result<DenseWeight> {
@@ -241,6 +258,55 @@ fn read_dense(r: &TensorReader<'_>, name: &str, rows: usize, cols: usize) -> Res
         cols,
         data: v.iter().map(|&x| bf16::from_f32(x)).collect(),
     })
+}
+
+/// The shared expert's width `Is`, from `shared_w2_weight` `[H, Is]`; the shared expert exists
+/// iff both `shared_w13_weight` and `shared_w2_weight` are present.
+fn shared_width(r: &TensorReader<'_>, hidden: usize) -> Result<Option<usize>> {
+    let (w13, w2) = ("shared_w13_weight", "shared_w2_weight");
+    match (r.contains(w13), r.contains(w2)) {
+        (false, false) => return Ok(None),
+        (true, false) => {
+            return Err(r.err(
+                w2,
+                format!("missing although `{w13}` is present (a shared expert needs both)"),
+            ))
+        }
+        (false, true) => {
+            return Err(r.err(
+                w13,
+                format!("missing although `{w2}` is present (a shared expert needs both)"),
+            ))
+        }
+        (true, true) => {}
+    }
+    let s13 = r.shape(w13)?;
+    if s13.len() != 2 {
+        return Err(r.err(
+            w13,
+            format!("expected 2 dimensions [S*Is, {hidden}], got {s13:?}"),
+        ));
+    }
+    let s2 = r.shape(w2)?;
+    let [h, width] = s2[..] else {
+        return Err(r.err(
+            w2,
+            format!("expected 2 dimensions [{hidden}, Is], got {s2:?}"),
+        ));
+    };
+    if h != hidden {
+        return Err(r.err(w2, format!("expected shape [{hidden}, Is], got {s2:?}")));
+    }
+    if width == 0 || width % 16 != 0 {
+        return Err(r.err(
+            w2,
+            format!(
+                "shared width Is = {width} (dimension 1) must be a positive multiple of 16 \
+                 (the NVFP4 block size)"
+            ),
+        ));
+    }
+    Ok(Some(width))
 }
 
 /// Reads a layer file.
@@ -270,18 +336,52 @@ pub fn read(path: &Path) -> Result<LayerFile> {
             format!("expected 3 dimensions [E, S*I, H/2], got {w13_shape:?}"),
         ));
     };
+    for (dim, (n, what)) in [(e, "experts E"), (rows13, "rows S*I"), (hb, "H/2")]
+        .into_iter()
+        .enumerate()
+    {
+        if n == 0 {
+            return Err(r.err(
+                "w13_weight",
+                format!("dimension {dim} ({what}) of shape {w13_shape:?} must be positive"),
+            ));
+        }
+    }
     if rows13 % shards != 0 {
         return Err(r.err(
             "w13_weight",
             format!("{rows13} rows is not a multiple of {shards} shards ({activation})"),
         ));
     }
-    let (hidden, inter) = (hb * 2, rows13 / shards);
-    let shared = if r.contains("shared_w2_weight") {
-        Some(r.shape("shared_w2_weight")?.get(1).copied().unwrap_or(0))
-    } else {
-        None
+    let hidden = match hb.checked_mul(2) {
+        Some(h) if h % 16 == 0 => h,
+        Some(h) => {
+            return Err(r.err(
+                "w13_weight",
+                format!(
+                    "hidden size H = {h} (2 * dimension 2, H/2 = {hb}) must be a multiple of 16 \
+                     (the NVFP4 block size)"
+                ),
+            ))
+        }
+        None => {
+            return Err(r.err(
+                "w13_weight",
+                format!("dimension 2 (H/2 = {hb}) is too large"),
+            ))
+        }
     };
+    let inter = rows13 / shards;
+    if inter % 16 != 0 {
+        return Err(r.err(
+            "w13_weight",
+            format!(
+                "intermediate size I = {rows13} rows / {shards} shards = {inter} must be a \
+                 multiple of 16 (the NVFP4 block size)"
+            ),
+        ));
+    }
+    let shared = shared_width(&r, hidden)?;
     let shape = LayerShape {
         hidden,
         intermediate: inter,
@@ -323,17 +423,31 @@ pub fn read(path: &Path) -> Result<LayerFile> {
     } else {
         None
     };
+    // Checked here too so that errors use the file's tensor names (validation says `router`).
+    for (name, v, cols) in [
+        ("e_score_correction_bias", &bias, e),
+        ("gate_weight", &router, hidden),
+    ] {
+        if let Some(v) = v {
+            check_finite(name, v, cols).map_err(|err| file_err(path, err.to_string()))?;
+        }
+    }
     if router_logits.is_none() && router.is_none() {
         return Err(r.err(
             "router_logits",
             "missing, and there is no `gate_weight` to compute it from",
         ));
     }
-    let shared = match spec.shared_intermediate {
-        Some(w) => Some(SharedExpert {
-            w13: read_dense(&r, "shared_w13_weight", shards * w, hidden)?,
-            w2: read_dense(&r, "shared_w2_weight", hidden, w)?,
-        }),
+    let shared = match shared {
+        Some(w) => {
+            let rows = shards.checked_mul(w).ok_or_else(|| {
+                r.err("shared_w2_weight", format!("shared width {w} is too large"))
+            })?;
+            Some(SharedExpert {
+                w13: read_dense(&r, "shared_w13_weight", rows, hidden)?,
+                w2: read_dense(&r, "shared_w2_weight", hidden, w)?,
+            })
+        }
         None => None,
     };
     let k = spec.routing.top_k;

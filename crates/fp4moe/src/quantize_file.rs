@@ -3,13 +3,15 @@
 //! `NAME.weight_scale_2` (F32, 0-d) with the ModelOpt recipe. A trailing `.weight` in `NAME` is
 //! dropped first, so `x.up_proj.weight` becomes `x.up_proj.weight{,_scale,_scale_2}` as in
 //! ModelOpt checkpoints. Any other tensor (other dtype or rank, columns not a multiple of 16,
-//! non-finite values) is an error naming it; nothing is written then.
+//! non-finite values) is an error naming it, as are two tensors that would share an output name
+//! (`a` and `a.weight`); nothing is written then.
 
 use crate::error::{Error, Result};
 use crate::format::Nvfp4Tensor;
 use crate::tensor_io::{self, OwnedTensor, TensorReader};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// One quantized tensor's summary.
@@ -19,6 +21,11 @@ pub struct Quantized {
     pub rows: usize,
     pub cols: usize,
     pub scale_2: f32,
+}
+
+/// The output base name of input tensor `name`: `name` without a trailing `.weight`.
+fn base_name(name: &str) -> &str {
+    name.strip_suffix(".weight").unwrap_or(name)
 }
 
 /// Quantizes `input` into `output` (written atomically).
@@ -42,6 +49,26 @@ pub fn quantize_tensors(input: &Path, output: &Path) -> Result<Vec<Quantized>> {
             ),
         });
     }
+    let mut bases: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut collisions = Vec::new();
+    for n in &names {
+        if let Some(first) = bases.insert(base_name(n), n) {
+            collisions.push(format!(
+                "`{first}` and `{n}` (both would become `{}.weight`)",
+                base_name(n)
+            ));
+        }
+    }
+    if !collisions.is_empty() {
+        return Err(Error::File {
+            path: input.to_path_buf(),
+            message: format!(
+                "tensors with the same name apart from a trailing `.weight` cannot both be \
+                 quantized: {}",
+                collisions.join(", ")
+            ),
+        });
+    }
     let results: Vec<Result<(Quantized, Nvfp4Tensor)>> = names
         .par_iter()
         .map(|n| {
@@ -51,7 +78,7 @@ pub fn quantize_tensors(input: &Path, output: &Path) -> Result<Vec<Quantized>> {
                     path: input.to_path_buf(),
                     message: e.to_string(),
                 })?;
-            let base = n.strip_suffix(".weight").unwrap_or(n).to_string();
+            let base = base_name(n).to_string();
             Ok((
                 Quantized {
                     name: base,

@@ -10,7 +10,7 @@ use crate::backend::{Experts, Workspace};
 use crate::error::Result;
 use crate::format::{activation, e2m1, e4m3, BLOCK};
 use crate::routing::TopK;
-use crate::spec::{Activation, MoeSpec, QuantMode};
+use crate::spec::{Activation, MoeSpec};
 use crate::weights::{DenseWeight, MoeWeights};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -24,13 +24,7 @@ pub(crate) struct ReferenceExperts {
 
 impl ReferenceExperts {
     pub(crate) fn new(spec: &MoeSpec, w: Arc<MoeWeights>) -> Result<Self> {
-        let (gs1, gs2) = match spec.quant {
-            QuantMode::W4A16 => (None, None),
-            QuantMode::W4A4 { intermediate } => (
-                w.input_global_scale(),
-                w.intermediate_global_scale(intermediate),
-            ),
-        };
+        let (gs1, gs2) = w.global_scales(spec.quant);
         Ok(Self {
             spec: *spec,
             w,

@@ -91,8 +91,10 @@ pub fn random_tokens(tokens: usize, hidden: usize, seed: u64) -> Vec<f32> {
 
 /// Random bf16 weights for `spec`, quantized with the ModelOpt recipe. Includes a router gate,
 /// a routing bias when the spec scores with sigmoid, and a bf16 shared expert when the spec has
-/// one. W4A4 input scales are left to [`calibrate_input_scales`] or the caller.
+/// one. W4A4 input scales are left to [`crate::calibration`] or the caller. An invalid
+/// `spec` is an error.
 pub fn random_weights(spec: &MoeSpec, seed: u64) -> Result<MoeWeights> {
+    spec.validate()?;
     let s = spec.shape;
     let shards = spec.activation.w13_shards();
     let rows13 = shards * s.intermediate;

@@ -51,6 +51,15 @@ impl ExpertStack {
                 got: vec![rows],
             });
         }
+        // Zero experts or rows (an empty stack) and sizes that overflow are shape errors.
+        let per = rows.checked_mul(cols);
+        if experts == 0 || rows == 0 || per.and_then(|p| p.checked_mul(experts)).is_none() {
+            return Err(FormatError::Shape {
+                tensor: tensor.to_string(),
+                expected: vec![experts.max(1), rows.max(shards), cols],
+                got: vec![experts, rows, cols],
+            });
+        }
         let per = rows * cols;
         let parts: Vec<Result<Vec<Nvfp4Tensor>, FormatError>> = (0..experts)
             .into_par_iter()
@@ -87,6 +96,14 @@ impl ExpertStack {
     /// Checks sizes, scale bytes and scale_2 values; `tensor` names the stack in errors.
     pub fn validate(&self, tensor: &str) -> Result<(), FormatError> {
         nvfp4::check_cols(tensor, self.cols)?;
+        if self.shards == 0 || self.rows % self.shards != 0 {
+            // Rows split into `shards` equal parts, each with its own scale_2.
+            return Err(FormatError::Shape {
+                tensor: format!("{tensor}_weight"),
+                expected: vec![self.shards, self.rows / self.shards.max(1)],
+                got: vec![self.rows],
+            });
+        }
         let checks = [
             (
                 "weight",
@@ -105,7 +122,7 @@ impl ExpertStack {
             ),
         ];
         for (suffix, len, shape) in checks {
-            if len != shape.iter().product::<usize>() {
+            if Some(len) != shape.iter().try_fold(1usize, |a, &b| a.checked_mul(b)) {
                 return Err(FormatError::Shape {
                     tensor: format!("{tensor}_{suffix}"),
                     expected: shape,
@@ -209,27 +226,45 @@ impl DenseWeight {
         }
     }
 
-    fn check(&self, tensor: &str, rows: usize, cols: usize) -> Result<(), SpecError> {
+    /// Checks shape `[rows, cols]` and, for NVFP4, one expert with `shards` scale_2 shards and
+    /// valid scales; `tensor` names the weight in errors.
+    fn check(
+        &self,
+        tensor: &str,
+        rows: usize,
+        cols: usize,
+        shards: usize,
+    ) -> Result<(), crate::Error> {
         if self.rows() != rows || self.cols() != cols {
-            return Err(SpecError::Shape {
-                tensor: tensor.to_string(),
-                expected: vec![rows, cols],
-                got: vec![self.rows(), self.cols()],
-            });
+            return Err(shape_err(tensor, vec![rows, cols], vec![self.rows(), self.cols()]).into());
         }
         match self {
-            DenseWeight::Bf16 { data, .. } if data.len() != rows * cols => Err(SpecError::Shape {
-                tensor: tensor.to_string(),
-                expected: vec![rows, cols],
-                got: vec![data.len()],
-            }),
-            DenseWeight::Nvfp4(s) if s.experts != 1 => Err(SpecError::Shape {
-                tensor: tensor.to_string(),
-                expected: vec![1, rows, cols],
-                got: vec![s.experts, s.rows, s.cols],
-            }),
-            _ => Ok(()),
+            DenseWeight::Bf16 { data, .. } => {
+                if Some(data.len()) != rows.checked_mul(cols) {
+                    return Err(shape_err(tensor, vec![rows, cols], vec![data.len()]).into());
+                }
+            }
+            DenseWeight::Nvfp4(s) => {
+                if s.experts != 1 {
+                    return Err(shape_err(
+                        tensor,
+                        vec![1, rows, cols],
+                        vec![s.experts, s.rows, s.cols],
+                    )
+                    .into());
+                }
+                if s.shards != shards {
+                    return Err(shape_err(
+                        &format!("{tensor}_weight_scale_2"),
+                        vec![1, shards],
+                        vec![s.experts, s.shards],
+                    )
+                    .into());
+                }
+                s.validate(tensor)?;
+            }
         }
+        Ok(())
     }
 }
 
@@ -289,16 +324,17 @@ impl MoeWeights {
         let s = spec.activation.w13_shards();
         self.w13.validate("w13")?;
         self.w2.validate("w2")?;
+        let rows13 = s.saturating_mul(i);
         if (
             self.w13.experts,
             self.w13.rows,
             self.w13.cols,
             self.w13.shards,
-        ) != (e, s * i, h, s)
+        ) != (e, rows13, h, s)
         {
             return Err(shape_err(
                 "w13_weight",
-                vec![e, s * i, h],
+                vec![e, rows13, h],
                 vec![self.w13.experts, self.w13.rows, self.w13.cols],
             )
             .into());
@@ -333,22 +369,38 @@ impl MoeWeights {
             if b.len() != e {
                 return Err(shape_err("e_score_correction_bias", vec![e], vec![b.len()]).into());
             }
+            // A NaN bias would sort first and silently take over routing.
+            nvfp4::check_finite("e_score_correction_bias", b, e)?;
         }
         if let Some(r) = &self.router {
-            if r.len() != e * h {
+            if Some(r.len()) != e.checked_mul(h) {
                 return Err(shape_err("router", vec![e, h], vec![r.len()]).into());
             }
+            nvfp4::check_finite("router", r, h)?;
         }
         match (spec.shared_intermediate, &self.shared) {
             (Some(w), Some(sh)) => {
-                sh.w13.check("shared_experts.w13", s * w, h)?;
-                sh.w2.check("shared_experts.w2", h, w)?;
+                let rows = s.saturating_mul(w);
+                sh.w13.check("shared_experts.w13", rows, h, s)?;
+                sh.w2.check("shared_experts.w2", h, w, 1)?;
             }
             (Some(w), None) => return Err(SpecError::MissingShared(w).into()),
             (None, Some(_)) => return Err(SpecError::UnexpectedShared.into()),
             (None, None) => {}
         }
         Ok(())
+    }
+
+    /// `(gs1, gs2)` of a quant mode: none in W4A16; in W4A4 the input's and the
+    /// intermediate's global scales (below).
+    pub fn global_scales(&self, quant: crate::spec::QuantMode) -> (Option<f32>, Option<f32>) {
+        match quant {
+            crate::spec::QuantMode::W4A16 => (None, None),
+            crate::spec::QuantMode::W4A4 { intermediate } => (
+                self.input_global_scale(),
+                self.intermediate_global_scale(intermediate),
+            ),
+        }
     }
 
     /// `gs1 = 1 / max_e input_scale(w13)`: one global scale for the layer's input QDQ.

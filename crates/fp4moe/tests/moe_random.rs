@@ -66,7 +66,8 @@ fn layer_weights(spec: &MoeSpec, seed: u64, x: &[f32]) -> MoeWeights {
     w
 }
 
-/// DESIGN 2 from dense f64 matrices of the dequantized weights.
+/// DESIGN 2 from dense f64 matrices of the dequantized weights: `y_t = Σ w · o + shared(x_t)`
+/// (the routed weights include rsf; the shared expert runs on the unquantized token).
 fn dense_oracle(spec: &MoeSpec, w: &MoeWeights, x: &[f32], topk: &TopK) -> Vec<f32> {
     let (h, i) = (spec.shape.hidden, spec.shape.intermediate);
     let act = spec.activation;
@@ -118,6 +119,38 @@ fn dense_oracle(spec: &MoeSpec, w: &MoeWeights, x: &[f32], topk: &TopK) -> Vec<f
                 *yr += wt * o;
             }
         }
+        if let Some(sh) = &w.shared {
+            // Dense MLP on the unquantized token, added after the routed sum.
+            let width = sh.w2.cols();
+            let mut row = vec![0.0f32; h.max(width)];
+            let hv: Vec<f64> = (0..sh.w13.rows())
+                .map(|r| {
+                    sh.w13.row_f32(r, &mut row[..h]);
+                    row[..h]
+                        .iter()
+                        .zip(xt)
+                        .map(|(p, q)| *p as f64 * *q as f64)
+                        .sum()
+                })
+                .collect();
+            let g: Vec<f64> = (0..width)
+                .map(|c| {
+                    if act.is_gated() {
+                        act.apply_f64(hv[c], hv[width + c])
+                    } else {
+                        act.apply_f64(hv[c], 0.0)
+                    }
+                })
+                .collect();
+            for (r, yr) in y.iter_mut().enumerate() {
+                sh.w2.row_f32(r, &mut row[..width]);
+                *yr += row[..width]
+                    .iter()
+                    .zip(&g)
+                    .map(|(p, q)| *p as f64 * q)
+                    .sum::<f64>();
+            }
+        }
         for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(&y) {
             *o = *v as f32;
         }
@@ -165,15 +198,13 @@ fn check(
         "{what}: not reproducible"
     );
 
-    if w.shared.is_none() {
-        let oracle = dense_oracle(&spec, &w, x, &topk);
-        let err = relative_l2(&out, &oracle);
-        let tol = tolerance(backend, spec.quant);
-        assert!(
-            err <= tol,
-            "{what} on {backend}: {err:e} from the dense oracle (tolerance {tol:e})"
-        );
-    }
+    let oracle = dense_oracle(&spec, &w, x, &topk);
+    let err = relative_l2(&out, &oracle);
+    let tol = tolerance(backend, spec.quant);
+    assert!(
+        err <= tol,
+        "{what} on {backend}: {err:e} from the dense oracle (tolerance {tol:e})"
+    );
     if backend != Backend::Reference {
         let reference = MoeLayer::new(spec, w, BackendChoice::Use(Backend::Reference)).unwrap();
         let mut want = vec![0.0f32; x.len()];

@@ -23,7 +23,7 @@ pub use compile::{
 use crate::backend::{Experts, Workspace};
 use crate::error::{Error, Result};
 use crate::routing::TopK;
-use crate::spec::{MoeSpec, QuantMode, Scoring};
+use crate::spec::{MoeSpec, Scoring};
 use crate::weights::{DenseWeight, ExpertStack, MoeWeights};
 use cudarc::driver::{
     sys as dsys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
@@ -377,13 +377,7 @@ impl CudaLayer {
         dev.kernels()?;
         let st = &dev.stream;
         let up = |v: &Vec<f32>| st.clone_htod(v).map_err(driver_err("weight upload"));
-        let (gs1, gs2) = match spec.quant {
-            QuantMode::W4A16 => (None, None),
-            QuantMode::W4A4 { intermediate } => (
-                weights.input_global_scale(),
-                weights.intermediate_global_scale(intermediate),
-            ),
-        };
+        let (gs1, gs2) = weights.global_scales(spec.quant);
         let shards = spec.activation.w13_shards();
         let shared = match &weights.shared {
             Some(sh) => Some((

@@ -7,6 +7,7 @@
 //!   `(row g, k 2q..2q+1)`, `(row g+8, k 2q..)`, `(row g, k 2q+8..2q+9)`, `(row g+8, k 2q+8..)`
 //!   of k block `4kg + j` (each byte holds two E2M1 codes, even k low);
 //! - scales, 64 bytes: `8g + j` = scale of row g, block `4kg + j`; `8g + 4 + j` = row g + 8.
+//!
 //! K is padded to a multiple of 64 with zero codes and zero scales.
 //!
 //! BF16, per row group and 16-wide k block: 32 lanes x 4 words, word i of lane `4g + q` holding

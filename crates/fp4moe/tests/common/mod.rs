@@ -73,7 +73,7 @@ macro_rules! per_backend {
                 }
                 #[test]
                 fn cuda() {
-                    if crate::common::gpu_available() {
+                    if $crate::common::gpu_available() {
                         super::$case(fp4moe::Backend::Cuda);
                     }
                 }
