@@ -30,6 +30,36 @@ pub const SOURCES: [(&str, &str); 5] = [
     ("combine.cu", include_str!("../../kernels/combine.cu")),
 ];
 
+/// The `extern "C"` kernels each file defines (`expert_gemm.cu` instantiates every weight kind,
+/// stage, block shape and token-tile count).
+pub fn kernel_names(file: &str) -> Vec<String> {
+    let fixed: &[&str] = match file {
+        "routing.cu" => &["router_logits", "route_topk"],
+        "sort_pairs.cu" => &["sort_pairs", "shared_meta"],
+        "prepare_input.cu" => &["prepare_input"],
+        "combine.cu" => &["combine"],
+        _ => &[],
+    };
+    let mut names: Vec<String> = fixed.iter().map(|s| s.to_string()).collect();
+    if file == "expert_gemm.cu" {
+        for base in [
+            "gemm1_nvfp4_gated",
+            "gemm1_nvfp4_plain",
+            "gemm2_nvfp4",
+            "gemm1_bf16_gated",
+            "gemm1_bf16_plain",
+            "gemm2_bf16",
+        ] {
+            for shape in ["narrow", "wide"] {
+                for nsub in [1, 2, 4] {
+                    names.push(format!("{base}_{shape}_n{nsub}"));
+                }
+            }
+        }
+    }
+    names
+}
+
 /// A failed compilation with everything needed to reproduce it.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("NVRTC could not compile {file} for {arch} (options {options:?}):\n{log}")]
@@ -147,12 +177,15 @@ pub fn compile(file: &str, source: &str, arch: &str) -> Result<Compiled, Compile
     if let Some((cubin_path, log_path)) = &cached {
         if let (Ok(cubin), Ok(log)) = (std::fs::read(cubin_path), std::fs::read_to_string(log_path))
         {
-            return Ok(Compiled {
-                file: file.to_string(),
-                cubin,
-                log,
-                from_cache: true,
-            });
+            // An empty CUBIN is a broken entry (an interrupted writer): compile again.
+            if !cubin.is_empty() {
+                return Ok(Compiled {
+                    file: file.to_string(),
+                    cubin,
+                    log,
+                    from_cache: true,
+                });
+            }
         }
     }
     let (cubin, log) = nvrtc_cubin(file, source, &opts).map_err(|log| fail(log, &opts))?;
@@ -298,6 +331,32 @@ pub fn parse_ptxas(log: &str) -> Vec<KernelUsage> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_list_matches_the_sources() {
+        // Every listed kernel is defined (or instantiated) in its file, and every
+        // `extern "C" __global__` of the small files is listed.
+        for (file, src) in SOURCES {
+            let names = kernel_names(file);
+            assert!(!names.is_empty(), "{file}");
+            for n in &names {
+                let base = n
+                    .split("_narrow")
+                    .next()
+                    .and_then(|b| b.split("_wide").next())
+                    .unwrap_or(n);
+                assert!(src.contains(base), "{file} lacks {n}");
+            }
+            if file != "expert_gemm.cu" {
+                assert_eq!(
+                    src.matches("extern \"C\" __global__").count(),
+                    names.len(),
+                    "{file}"
+                );
+            }
+        }
+        assert_eq!(kernel_names("expert_gemm.cu").len(), 36);
+    }
 
     #[test]
     fn ptxas_report_is_parsed() {

@@ -137,15 +137,18 @@ impl Device {
                 let mut modules = Vec::new();
                 for c in compile_all(&self.arch).map_err(|e| e.to_string())? {
                     let module = self.ctx.load_module(Ptx::from_binary(c.cubin)).map_err(|e| format!("loading {}: {e}", c.file))?;
-                    for k in parse_ptxas(&c.log) {
-                        let f = module.load_function(&k.kernel).map_err(|e| format!("{}: {e}", k.kernel))?;
+                    // The kernel list is static (not read from the ptxas log, which a cached or
+                    // quiet compile need not carry).
+                    for name in compile::kernel_names(&c.file) {
+                        let f = module.load_function(&name).map_err(|e| format!("{}: {name}: {e}", c.file))?;
+                        let static_smem = f.shared_size_bytes().map_err(|e| format!("{name}: {e}"))? as usize;
                         // Opt in once, here, so no attribute call happens inside a graph capture.
                         f.set_attribute(
                             dsys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            (self.max_shared_bytes - k.shared_bytes as usize) as i32,
+                            self.max_shared_bytes.saturating_sub(static_smem) as i32,
                         )
-                        .map_err(|e| format!("{}: {e}", k.kernel))?;
-                        functions.insert(k.kernel, f);
+                        .map_err(|e| format!("{name}: {e}"))?;
+                        functions.insert(name, f);
                     }
                     modules.push(module);
                 }
