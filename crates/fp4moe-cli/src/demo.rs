@@ -157,11 +157,23 @@ pub(crate) fn run(
         None
     };
 
-    let bw = step("measuring copy bandwidth", copy_bandwidth);
+    // The floor is for the memory the backend reads its weights from.
+    let (bw, machine) = if layer.backend() == Backend::Cuda {
+        let d = fp4moe::cuda::device()?;
+        let bw = step(
+            "measuring device copy bandwidth",
+            fp4moe::cuda::bench::copy_bandwidth,
+        )?;
+        (bw, format!("{} (time through the host API, transfers included; `fp4moe bench` times the device alone)", d.name))
+    } else {
+        (
+            step("measuring copy bandwidth", copy_bandwidth),
+            format!("{} threads", rayon::current_num_threads()),
+        )
+    };
     let floor = Duration::from_secs_f64(bytes as f64 / bw);
     println!(
-        "machine: {} threads, copy bandwidth {:.1} GB/s (read+write); workspace {:.1} MB",
-        rayon::current_num_threads(),
+        "machine: {machine}, copy bandwidth {:.1} GB/s (read+write); workspace {:.1} MB",
         bw / 1e9,
         layer.workspace_bytes(tokens) as f64 / 1e6
     );
