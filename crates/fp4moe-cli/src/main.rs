@@ -1,6 +1,7 @@
 //! `fp4moe`: run NVFP4 MoE layers from the command line.
 
 mod bench;
+mod checkpoint_cmds;
 mod demo;
 mod progress;
 
@@ -84,6 +85,32 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
+    /// Run one MoE layer of a ModelOpt NVFP4 checkpoint on `x` [T, H] from a safetensors file;
+    /// writes `output` f32 [T, H], `topk_ids`, `topk_weights`.
+    Run {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long)]
+        layer: usize,
+        #[arg(long)]
+        input: PathBuf,
+        #[arg(long)]
+        output: PathBuf,
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: BackendArg,
+        /// Override the checkpoint's mode (w4a16 runs a W4A4 checkpoint weight-only).
+        #[arg(long, value_enum)]
+        mode: Option<checkpoint_cmds::RunMode>,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Describe a checkpoint: family, MoE layers, routing, quantization, block-scale statistics.
+    Inspect {
+        dir: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Time the layer per batch size against the DESIGN 5 memory and compute floors.
     Bench {
         #[arg(long, value_enum, default_value = "nemotron3-nano")]
@@ -123,7 +150,7 @@ enum Command {
     },
 }
 
-fn check_output(input: Option<&Path>, output: &Path, force: bool) -> Result<()> {
+pub(crate) fn check_output(input: Option<&Path>, output: &Path, force: bool) -> Result<()> {
     if let Some(i) = input {
         if i == output
             || (output.exists()
@@ -324,6 +351,16 @@ fn main() -> ExitCode {
             force,
         } => quantize_tensors(&input, &output, force),
         Command::CompileKernels { arch } => compile_kernels(&arch),
+        Command::Run {
+            checkpoint,
+            layer,
+            input,
+            output,
+            backend,
+            mode,
+            force,
+        } => checkpoint_cmds::run(&checkpoint, layer, &input, &output, backend, mode, force),
+        Command::Inspect { dir, json } => checkpoint_cmds::inspect(&dir, json),
         Command::Bench {
             preset,
             tokens,

@@ -384,3 +384,91 @@ fn demo_rejects_bad_arguments() {
     assert!(!o.status.success());
     assert!(text(&o).contains("nemotron3-nano"));
 }
+
+#[test]
+fn inspect_and_run_a_checkpoint() {
+    use fp4moe::checkpoint::{write_checkpoint, Checkpoint, Family, ModelConfig, WriteOptions};
+    use fp4moe::spec::{Activation, QuantMode, Scoring};
+    let dir = tempfile::tempdir().unwrap();
+    let ck_dir = dir.path().join("ck");
+    let cfg = ModelConfig {
+        family: Family::Qwen3Moe,
+        model_type: "qwen3_moe".into(),
+        hidden: 64,
+        intermediate: 32,
+        experts: 4,
+        top_k: 2,
+        layers: 2,
+        renormalize: true,
+        routed_scaling_factor: 1.0,
+        n_group: 1,
+        topk_group: 1,
+        scoring: Scoring::Softmax,
+        activation: Activation::Silu,
+        shared_intermediate: None,
+    };
+    let spec = Checkpoint::spec_for(&cfg, QuantMode::W4A16);
+    let w = fp4moe::synthetic::random_weights(&spec, 5).unwrap();
+    let opts = WriteOptions {
+        quant_algo: "W4A16_NVFP4".into(),
+        shard_bytes: None,
+    };
+    write_checkpoint(&ck_dir, &cfg, &[(1, w)], &opts).unwrap();
+
+    let o = fp4moe(&["inspect", s(&ck_dir)]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("qwen3_moe") && t.contains("MoE layers [1]") && t.contains("W4A16Nvfp4"),
+        "{t}"
+    );
+    let o = fp4moe(&["inspect", s(&ck_dir), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["moe_layers"], serde_json::json!([1]));
+    assert_eq!(
+        v["layer_stats"][0]["shard_scale_2_mismatches"],
+        serde_json::json!(4)
+    );
+
+    let input = dir.path().join("x.safetensors");
+    let x = fp4moe::synthetic::random_tokens(3, 64, 6);
+    write_tensors(
+        &input,
+        &[("x".to_string(), OwnedTensor::f32(vec![3, 64], &x))],
+        None,
+    )
+    .unwrap();
+    let out = dir.path().join("y.safetensors");
+    let o = fp4moe(&[
+        "run",
+        "--checkpoint",
+        s(&ck_dir),
+        "--layer",
+        "1",
+        "--input",
+        s(&input),
+        "--output",
+        s(&out),
+        "--backend",
+        "cpu",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let bytes = read_file(&out).unwrap();
+    let r = TensorReader::new(&out, &bytes).unwrap();
+    assert!(r.f32("output", &[3, 64]).unwrap().iter().any(|v| *v != 0.0));
+    expect_error(
+        &fp4moe(&[
+            "run",
+            "--checkpoint",
+            s(&ck_dir),
+            "--layer",
+            "0",
+            "--input",
+            s(&input),
+            "--output",
+            s(&dir.path().join("z.safetensors")),
+        ]),
+        &["layer 0 is not an NVFP4 MoE layer"],
+    );
+    expect_error(&fp4moe(&["inspect", s(dir.path())]), &["config.json"]);
+}

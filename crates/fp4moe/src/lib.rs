@@ -10,6 +10,7 @@
 
 pub mod backend;
 pub mod calibration;
+pub mod checkpoint;
 mod cpu;
 pub mod cuda;
 pub mod error;
