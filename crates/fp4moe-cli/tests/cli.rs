@@ -107,17 +107,7 @@ fn run_layer_bad_inputs() {
     let bytes = read_file(&golden("moe_silu_w4a16_softmax.safetensors")).unwrap();
     let path = golden("moe_silu_w4a16_softmax.safetensors");
     let r = TensorReader::new(&path, &bytes).unwrap();
-    let mut tensors: Vec<(String, OwnedTensor)> = r
-        .names()
-        .into_iter()
-        .map(|n| {
-            let v = r.view(&n).unwrap();
-            (
-                n,
-                OwnedTensor::bytes(v.dtype(), v.shape().to_vec(), v.data().to_vec()),
-            )
-        })
-        .collect();
+    let mut tensors = r.owned().unwrap();
     let meta = Some(std::collections::HashMap::from([(
         "case".to_string(),
         r.metadata("case").unwrap().to_string(),

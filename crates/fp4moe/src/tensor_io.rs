@@ -132,6 +132,18 @@ impl<'a> TensorReader<'a> {
         Ok(v.data().to_vec())
     }
 
+    /// Every tensor as an owned copy, sorted by name (to edit and write back).
+    pub fn owned(&self) -> Result<Vec<(String, OwnedTensor)>> {
+        self.names()
+            .into_iter()
+            .map(|n| {
+                let v = self.view(&n)?;
+                let t = OwnedTensor::bytes(v.dtype(), v.shape().to_vec(), v.data().to_vec());
+                Ok((n, t))
+            })
+            .collect()
+    }
+
     pub fn i32(&self, name: &str, shape: &[usize]) -> Result<Vec<i32>> {
         let v = self.view(name)?;
         if v.dtype() != Dtype::I32 {

@@ -135,17 +135,7 @@ fn rewrite(dir: &Path, file: &str, edit: impl Fn(&mut Vec<(String, OwnedTensor)>
     let path = dir.join(file);
     let bytes = read_file(&path).unwrap();
     let r = TensorReader::new(&path, &bytes).unwrap();
-    let mut t: Vec<(String, OwnedTensor)> = r
-        .names()
-        .into_iter()
-        .map(|n| {
-            let v = r.view(&n).unwrap();
-            (
-                n,
-                OwnedTensor::bytes(v.dtype(), v.shape().to_vec(), v.data().to_vec()),
-            )
-        })
-        .collect();
+    let mut t = r.owned().unwrap();
     edit(&mut t);
     std::fs::remove_file(&path).unwrap();
     write_tensors(&path, &t, None).unwrap();
