@@ -71,6 +71,48 @@ pub(crate) fn run(
     Ok(())
 }
 
+pub(crate) fn quantize(
+    input: &Path,
+    output: &Path,
+    calib: Option<&Path>,
+    no_shared: bool,
+    force: bool,
+) -> Result<()> {
+    let calib = match calib {
+        Some(p) => {
+            let bytes = read_file(p)?;
+            let r = TensorReader::new(p, &bytes)?;
+            Some(r.f32_any("x")?.0)
+        }
+        None => None,
+    };
+    let opts = fp4moe::checkpoint::QuantizeOptions {
+        shared: !no_shared,
+        calib,
+        force,
+    };
+    let pb = indicatif::ProgressBar::new_spinner();
+    pb.enable_steady_tick(std::time::Duration::from_millis(100));
+    let report = fp4moe::checkpoint::quantize_checkpoint(input, output, &opts, &mut |m| {
+        pb.set_message(m.to_string())
+    });
+    pb.finish_and_clear();
+    let r = report.with_context(|| format!("quantizing {}", input.display()))?;
+    println!(
+        "{} ({}): MoE layers {:?}, {} projections quantized, {} tensors copied, quant_algo {}",
+        output.display(),
+        r.family,
+        r.moe_layers,
+        r.tensors_quantized,
+        r.tensors_copied,
+        r.quant_algo
+    );
+    for (l, experts) in &r.uncalibrated {
+        println!("layer {l}: no calibration token reached experts {experts:?}; they got the layer's maximum input scale");
+    }
+    Ok(())
+}
+
 fn pct(n: usize, d: usize) -> f64 {
     100.0 * n as f64 / d.max(1) as f64
 }

@@ -104,6 +104,22 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Quantize a bf16 checkpoint's MoE experts to NVFP4 (ModelOpt recipe); other tensors are
+    /// copied. With --calib (a safetensors file with `x` [T, H]) it writes NVFP4 (W4A4) with
+    /// calibrated input scales, else W4A16_NVFP4.
+    Quantize {
+        #[arg(long)]
+        input: PathBuf,
+        #[arg(long)]
+        output: PathBuf,
+        #[arg(long)]
+        calib: Option<PathBuf>,
+        /// Leave shared experts in bf16.
+        #[arg(long)]
+        no_shared: bool,
+        #[arg(long)]
+        force: bool,
+    },
     /// Describe a checkpoint: family, MoE layers, routing, quantization, block-scale statistics.
     Inspect {
         dir: PathBuf,
@@ -361,6 +377,13 @@ fn main() -> ExitCode {
             force,
         } => checkpoint_cmds::run(&checkpoint, layer, &input, &output, backend, mode, force),
         Command::Inspect { dir, json } => checkpoint_cmds::inspect(&dir, json),
+        Command::Quantize {
+            input,
+            output,
+            calib,
+            no_shared,
+            force,
+        } => checkpoint_cmds::quantize(&input, &output, calib.as_deref(), no_shared, force),
         Command::Bench {
             preset,
             tokens,

@@ -462,3 +462,80 @@ fn inspect_and_run_a_checkpoint() {
     );
     expect_error(&fp4moe(&["inspect", s(dir.path())]), &["config.json"]);
 }
+
+#[test]
+fn quantize_a_bf16_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("bf16");
+    std::fs::create_dir_all(&src).unwrap();
+    let cfg = serde_json::json!({"model_type": "nemotron_h", "hidden_size": 32, "moe_intermediate_size": 16,
+        "n_routed_experts": 2, "num_experts_per_tok": 1, "num_hidden_layers": 1, "mlp_hidden_act": "relu2"});
+    std::fs::write(src.join("config.json"), cfg.to_string()).unwrap();
+    let bf = |rows: usize, cols: usize, seed: u32| {
+        let v: Vec<half::bf16> = matrix(rows, cols, seed)
+            .iter()
+            .map(|&x| half::bf16::from_f32(x))
+            .collect();
+        OwnedTensor::bf16(vec![rows, cols], &v)
+    };
+    let mut t = vec![(
+        "backbone.layers.0.mixer.gate.weight".to_string(),
+        bf(2, 32, 1),
+    )];
+    for e in 0..2u32 {
+        t.push((
+            format!("backbone.layers.0.mixer.experts.{e}.up_proj.weight"),
+            bf(16, 32, 10 + e),
+        ));
+        t.push((
+            format!("backbone.layers.0.mixer.experts.{e}.down_proj.weight"),
+            bf(32, 16, 20 + e),
+        ));
+    }
+    write_tensors(&src.join("model.safetensors"), &t, None).unwrap();
+    let calib = dir.path().join("calib.safetensors");
+    write_tensors(
+        &calib,
+        &[(
+            "x".to_string(),
+            OwnedTensor::f32(vec![4, 32], &matrix(4, 32, 7)),
+        )],
+        None,
+    )
+    .unwrap();
+    let out = dir.path().join("nvfp4");
+    let o = fp4moe(&[
+        "quantize",
+        "--input",
+        s(&src),
+        "--output",
+        s(&out),
+        "--calib",
+        s(&calib),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("quant_algo NVFP4"), "{}", text(&o));
+    let o = fp4moe(&["inspect", s(&out)]);
+    assert!(
+        o.status.success() && text(&o).contains("nemotron_h"),
+        "{}",
+        text(&o)
+    );
+    expect_error(
+        &fp4moe(&["quantize", "--input", s(&src), "--output", s(&out)]),
+        &["exists", "--force"],
+    );
+    let o = fp4moe(&[
+        "quantize",
+        "--input",
+        s(&src),
+        "--output",
+        s(&out),
+        "--force",
+    ]);
+    assert!(
+        o.status.success() && text(&o).contains("W4A16_NVFP4"),
+        "{}",
+        text(&o)
+    );
+}

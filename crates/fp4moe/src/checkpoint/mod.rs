@@ -7,9 +7,11 @@
 
 pub mod config;
 mod load;
+mod quantize;
 pub mod shards;
 mod write;
 
 pub use config::{Family, ModelConfig, QuantAlgo, QuantConfig};
 pub use load::{Checkpoint, LayerStats};
+pub use quantize::{quantize_checkpoint, QuantizeOptions, QuantizeReport};
 pub use write::{write_checkpoint, WriteOptions};

@@ -145,6 +145,24 @@ impl CheckpointFiles {
         n
     }
 
+    /// Each shard file with the tensors it holds (sorted), in file order.
+    pub fn shard_contents(&self) -> Vec<(&Path, Vec<&str>)> {
+        self.shards
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let mut names: Vec<&str> = self
+                    .index
+                    .iter()
+                    .filter(|(_, &j)| j == i)
+                    .map(|(n, _)| n.as_str())
+                    .collect();
+                names.sort_unstable();
+                (s.path.as_path(), names)
+            })
+            .collect()
+    }
+
     /// The shard files.
     pub fn shard_paths(&self) -> Vec<&Path> {
         self.shards.iter().map(|s| s.path.as_path()).collect()
