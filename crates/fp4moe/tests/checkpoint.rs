@@ -51,6 +51,25 @@ fn qwen() -> ModelConfig {
     }
 }
 
+fn deepseek() -> ModelConfig {
+    ModelConfig {
+        family: Family::DeepseekV3,
+        model_type: "deepseek_v3".into(),
+        hidden: 64,
+        intermediate: 32,
+        experts: 8,
+        top_k: 2,
+        layers: 2,
+        renormalize: true,
+        routed_scaling_factor: 2.5,
+        n_group: 4,
+        topk_group: 2,
+        scoring: Scoring::Sigmoid,
+        activation: Activation::Silu,
+        shared_intermediate: Some(32),
+    }
+}
+
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("fp4moe-ck-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -88,7 +107,11 @@ fn make(
 
 #[test]
 fn round_trip_and_run_both_families() {
-    for (cfg, layer, shard) in [(nemotron(), 1, None), (qwen(), 0, Some(20_000))] {
+    for (cfg, layer, shard) in [
+        (nemotron(), 1, None),
+        (qwen(), 0, Some(20_000)),
+        (deepseek(), 1, Some(30_000)),
+    ] {
         let dir = tmp(cfg.family.name());
         let w = make(&cfg, layer, &dir, shard, 7);
         let ck = Checkpoint::open(&dir).unwrap();
@@ -228,18 +251,24 @@ fn bad_checkpoints_give_clear_errors() {
         "{e}"
     );
     // Zero and missing input scales: errors naming the expert in W4A4, fine as W4A16.
-    for (name, edit) in [("zero-input", true), ("missing-input", false)] {
+    for (name, value) in [
+        ("zero-input", Some(0.0f32)),
+        ("negative-input", Some(-1.0)),
+        ("nan-input", Some(f32::NAN)),
+        ("missing-input", None),
+    ] {
         let d = fresh(name);
         rewrite(&d, "model.safetensors", |t| {
             let target = "backbone.layers.1.mixer.experts.4.up_proj.input_scale";
-            if edit {
-                for (n, v) in t.iter_mut() {
-                    if n == target {
-                        v.data = 0.0f32.to_le_bytes().to_vec();
+            match value {
+                Some(x) => {
+                    for (n, v) in t.iter_mut() {
+                        if n == target {
+                            v.data = x.to_le_bytes().to_vec();
+                        }
                     }
                 }
-            } else {
-                t.retain(|(n, _)| n != target);
+                None => t.retain(|(n, _)| n != target),
             }
         });
         let e = open_err(&d);
@@ -287,6 +316,27 @@ fn bad_checkpoints_give_clear_errors() {
         e.contains("model.safetensors.index.json")
             && e.contains("model-00002")
             && e.contains("does not exist"),
+        "{e}"
+    );
+    // A header that lies about offsets: a tensor's data_offsets point past the data.
+    let d = fresh("lying-header");
+    let p = d.join("model.safetensors");
+    let b = std::fs::read(&p).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(b[8..8 + n].to_vec()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&header).unwrap();
+    let off = &mut v["backbone.layers.1.mixer.experts.0.up_proj.weight"]["data_offsets"];
+    let end = off[1].as_u64().unwrap();
+    off[1] = serde_json::json!(end + 1_000_000);
+    let mut h = serde_json::to_string(&v).unwrap().into_bytes();
+    h.resize(h.len().div_ceil(8) * 8, b' ');
+    let mut lied = (h.len() as u64).to_le_bytes().to_vec();
+    lied.extend_from_slice(&h);
+    lied.extend_from_slice(&b[8 + n..]);
+    std::fs::write(&p, lied).unwrap();
+    let e = open_err(&d);
+    assert!(
+        e.contains("model.safetensors") && e.contains("not a valid safetensors"),
         "{e}"
     );
     // Writing over an existing checkpoint is refused.

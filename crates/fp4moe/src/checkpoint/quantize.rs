@@ -262,7 +262,6 @@ pub fn quantize_checkpoint(
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
         let shards = files.shard_contents();
-        let sharded = shards.len() > 1 || input.join("model.safetensors.index.json").is_file();
         let mut weight_map = BTreeMap::new();
         for (k, (path, names)) in shards.iter().enumerate() {
             progress(&format!("shard {}/{}", k + 1, shards.len()));
@@ -328,12 +327,10 @@ pub fn quantize_checkpoint(
             }
             tensor_io::write_tensors(&tmp.join(&file), &out, None)?;
         }
-        if sharded {
-            let text =
-                serde_json::to_string_pretty(&json!({"metadata": {}, "weight_map": weight_map}))
-                    .map_err(|e| Error::arg("output", e.to_string()))?;
-            tensor_io::write_atomic(&tmp.join("model.safetensors.index.json"), text.as_bytes())?;
-        }
+        // Always an index (also over a single file), as ModelOpt exports have it.
+        let text = serde_json::to_string_pretty(&json!({"metadata": {}, "weight_map": weight_map}))
+            .map_err(|e| Error::arg("output", e.to_string()))?;
+        tensor_io::write_atomic(&tmp.join("model.safetensors.index.json"), text.as_bytes())?;
         tensor_io::write_atomic(&tmp.join("config.json"), cfg_text.as_bytes())?;
         let hq = json!({"producer": {"name": "fp4moe", "version": env!("CARGO_PKG_VERSION")},
             "quantization": {"quant_algo": report.quant_algo, "group_size": 16, "kv_cache_quant_algo": null, "exclude_modules": exclude}});
