@@ -6,7 +6,7 @@
 use crate::progress::step;
 use crate::{BackendArg, PresetArg};
 use anyhow::{bail, Context, Result};
-use fp4moe::calibration::calibrate;
+use fp4moe::calibration::calibrate_with_router;
 use fp4moe::routing::{route, router_logits};
 use fp4moe::spec::{Intermediate, MoeSpec, QuantMode};
 use fp4moe::synthetic::{random_tokens, random_weights, Preset};
@@ -80,24 +80,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
     })?;
     if let QuantMode::W4A4 { .. } = quant {
         let calib = random_tokens(16, spec.shape.hidden, a.seed ^ 0xCA1);
-        let l = router_logits(
-            &calib,
-            w.router.as_deref().unwrap_or(&[]),
-            spec.shape.hidden,
-            spec.shape.experts,
-        );
-        let t = route(
-            &l,
-            spec.shape.experts,
-            &spec.routing,
-            w.e_score_correction_bias.as_deref(),
-        );
-        let s = step("calibrating input scales on 16 tokens", || {
-            calibrate(&spec, &w, &calib, &t)
-        })
-        .input_scales();
-        w.w13_input_scale = Some(s.w13);
-        w.w2_input_scale = Some(s.w2);
+        step("calibrating input scales on 16 tokens", || {
+            calibrate_with_router(&spec, &mut w, &calib)
+        })?;
     }
     let (sh, i, e, k) = (
         spec.shape.hidden,

@@ -4,9 +4,8 @@
 //!
 //! usage: cargo run --release --example synthetic_checkpoint -- OUT_DIR [nemotron|qwen]
 
-use fp4moe::calibration::calibrate;
+use fp4moe::calibration::calibrate_with_router;
 use fp4moe::checkpoint::{write_checkpoint, Checkpoint, Family, ModelConfig, WriteOptions};
-use fp4moe::routing::{route, router_logits};
 use fp4moe::spec::{Activation, QuantMode, Scoring};
 use fp4moe::synthetic::{random_tokens, random_weights};
 
@@ -49,21 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (n, layer) in [1usize, 3].into_iter().enumerate() {
         let mut w = random_weights(&spec, 10 + n as u64)?;
         let x = random_tokens(64, cfg.hidden, 20 + n as u64);
-        let logits = router_logits(
-            &x,
-            w.router.as_deref().unwrap_or(&[]),
-            cfg.hidden,
-            cfg.experts,
-        );
-        let topk = route(
-            &logits,
-            cfg.experts,
-            &spec.routing,
-            w.e_score_correction_bias.as_deref(),
-        );
-        let s = calibrate(&spec, &w, &x, &topk).input_scales();
-        w.w13_input_scale = Some(s.w13);
-        w.w2_input_scale = Some(s.w2);
+        calibrate_with_router(&spec, &mut w, &x)?;
         layers.push((layer, w));
     }
     let opts = WriteOptions {

@@ -2,9 +2,10 @@
 //! reference backend) and record per expert the absolute max of the tokens routed to it (w13
 //! input) and of its intermediate activation `g` (w2 input). `input_scale = amax / 2688`.
 
+use crate::error::{Error, Result};
 use crate::format::nvfp4::NVFP4_RANGE;
 use crate::reference::expert_intermediate;
-use crate::routing::TopK;
+use crate::routing::{route, router_logits, TopK};
 use crate::spec::MoeSpec;
 use crate::weights::MoeWeights;
 use rayon::prelude::*;
@@ -58,6 +59,29 @@ pub fn calibrate(spec: &MoeSpec, w: &MoeWeights, x: &[f32], topk: &TopK) -> Cali
         c.tokens_per_expert[e] += 1;
     }
     c
+}
+
+/// Routes `x` (`[T, H]`) with the layer's own router weight and bias, calibrates on it and
+/// stores the resulting input scales in `w`. Errors when `w` has no router weight.
+pub fn calibrate_with_router(spec: &MoeSpec, w: &mut MoeWeights, x: &[f32]) -> Result<InputScales> {
+    let router = w.router.as_deref().ok_or_else(|| {
+        Error::arg(
+            "router",
+            "calibration routes with the layer's router weight, and there is none",
+        )
+    })?;
+    let (h, e) = (spec.shape.hidden, spec.shape.experts);
+    let logits = router_logits(x, router, h, e);
+    let topk = route(
+        &logits,
+        e,
+        &spec.routing,
+        w.e_score_correction_bias.as_deref(),
+    );
+    let scales = calibrate(spec, w, x, &topk).input_scales();
+    w.w13_input_scale = Some(scales.w13.clone());
+    w.w2_input_scale = Some(scales.w2.clone());
+    Ok(scales)
 }
 
 impl Calibration {

@@ -46,6 +46,14 @@ impl Error {
         }
     }
 
+    /// A problem with the file (or folder) at `path`.
+    pub(crate) fn file(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Error::File {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+
     pub(crate) fn arg(name: &'static str, message: impl Into<String>) -> Self {
         Error::Argument {
             name,

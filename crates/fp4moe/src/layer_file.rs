@@ -78,17 +78,10 @@ pub struct LayerFile {
     pub expected: Expected,
 }
 
-fn file_err(path: &Path, message: impl Into<String>) -> Error {
-    Error::File {
-        path: path.to_path_buf(),
-        message: message.into(),
-    }
-}
-
 impl CaseConfig {
     fn to_spec(&self, path: &Path, shape: LayerShape, shared: Option<usize>) -> Result<MoeSpec> {
         let activation = Activation::from_name(&self.activation).ok_or_else(|| {
-            file_err(
+            Error::file(
                 path,
                 format!(
                     "case.activation `{}` is not one of silu, gelu_tanh, relu2_no_mul, silu_no_mul",
@@ -105,13 +98,13 @@ impl CaseConfig {
                 intermediate: Intermediate::Dynamic,
             },
             ("w4a4", Some(other)) => {
-                return Err(file_err(
+                return Err(Error::file(
                     path,
                     format!("case.intermediate `{other}` is not static or dynamic"),
                 ))
             }
             (other, _) => {
-                return Err(file_err(
+                return Err(Error::file(
                     path,
                     format!("case.mode `{other}` is not w4a16 or w4a4"),
                 ))
@@ -121,7 +114,7 @@ impl CaseConfig {
             "softmax" => Scoring::Softmax,
             "sigmoid" => Scoring::Sigmoid,
             other => {
-                return Err(file_err(
+                return Err(Error::file(
                     path,
                     format!("case.scoring `{other}` is not softmax or sigmoid"),
                 ))
@@ -142,7 +135,7 @@ impl CaseConfig {
             shared_intermediate: shared,
         };
         spec.validate()
-            .map_err(|e| file_err(path, format!("case: {e}")))?;
+            .map_err(|e| Error::file(path, format!("case: {e}")))?;
         Ok(spec)
     }
 
@@ -212,7 +205,7 @@ fn read_stack(
     };
     stack
         .validate(prefix)
-        .map_err(|err| file_err(r.path, err.to_string()))?;
+        .map_err(|err| Error::file(r.path, err.to_string()))?;
     Ok(stack)
 }
 
@@ -314,15 +307,15 @@ pub fn read(path: &Path) -> Result<LayerFile> {
     let bytes = tensor_io::read_file(path)?;
     let r = TensorReader::new(path, &bytes)?;
     let case_json = r.metadata("case").ok_or_else(|| {
-        file_err(
+        Error::file(
             path,
             "metadata key `case` (the layer configuration JSON) is missing",
         )
     })?;
     let case: CaseConfig = serde_json::from_str(case_json)
-        .map_err(|e| file_err(path, format!("metadata `case` is not valid: {e}")))?;
+        .map_err(|e| Error::file(path, format!("metadata `case` is not valid: {e}")))?;
     let activation = Activation::from_name(&case.activation).ok_or_else(|| {
-        file_err(
+        Error::file(
             path,
             format!("case.activation `{}` is unknown", case.activation),
         )
@@ -429,7 +422,7 @@ pub fn read(path: &Path) -> Result<LayerFile> {
         ("gate_weight", &router, hidden),
     ] {
         if let Some(v) = v {
-            check_finite(name, v, cols).map_err(|err| file_err(path, err.to_string()))?;
+            check_finite(name, v, cols).map_err(|err| Error::file(path, err.to_string()))?;
         }
     }
     if router_logits.is_none() && router.is_none() {
@@ -476,7 +469,7 @@ pub fn read(path: &Path) -> Result<LayerFile> {
     };
     weights
         .validate(&spec)
-        .map_err(|err| file_err(path, err.to_string()))?;
+        .map_err(|err| Error::file(path, err.to_string()))?;
     Ok(LayerFile {
         name: if case.name.is_empty() {
             path.file_stem()
@@ -577,7 +570,7 @@ pub fn write(path: &Path, lf: &LayerFile) -> Result<()> {
         out.push(("expected_output".into(), OwnedTensor::f32(vec![t, h], v)));
     }
     let case = CaseConfig::from_spec(&lf.name, &lf.spec, w.e_score_correction_bias.is_some());
-    let json = serde_json::to_string(&case).map_err(|e| file_err(path, e.to_string()))?;
+    let json = serde_json::to_string(&case).map_err(|e| Error::file(path, e.to_string()))?;
     tensor_io::write_tensors(
         path,
         &out,

@@ -6,9 +6,10 @@
 //! non-finite values) is an error naming it, as are two tensors that would share an output name
 //! (`a` and `a.weight`); nothing is written then.
 
+use crate::checkpoint::write::projection_tensors;
 use crate::error::{Error, Result};
 use crate::format::Nvfp4Tensor;
-use crate::tensor_io::{self, OwnedTensor, TensorReader};
+use crate::tensor_io::{self, TensorReader};
 use rayon::prelude::*;
 use safetensors::tensor::Dtype;
 use std::collections::BTreeMap;
@@ -94,18 +95,8 @@ pub fn quantize_tensors(input: &Path, output: &Path) -> Result<Vec<Quantized>> {
     let mut summary = Vec::new();
     for res in results {
         let (q, t) = res?;
-        let b = &q.name;
-        out.push((
-            format!("{b}.weight"),
-            OwnedTensor::bytes(Dtype::U8, vec![q.rows, q.cols / 2], t.packed),
-        ));
-        out.push((
-            format!("{b}.weight_scale"),
-            OwnedTensor::bytes(Dtype::F8_E4M3, vec![q.rows, q.cols / 16], t.scales),
-        ));
-        out.push((
-            format!("{b}.weight_scale_2"),
-            OwnedTensor::f32(vec![], &[t.scale_2]),
+        out.extend(projection_tensors(
+            &q.name, q.rows, q.cols, t.packed, t.scales, t.scale_2, None,
         ));
         summary.push(q);
     }

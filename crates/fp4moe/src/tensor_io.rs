@@ -250,6 +250,53 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Pretty-printed JSON, written atomically.
+pub fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(v).map_err(|e| Error::File {
+        path: path.to_path_buf(),
+        message: format!("cannot serialize JSON: {e}"),
+    })?;
+    write_atomic(path, text.as_bytes())
+}
+
+/// Builds folder `dir` through `fill` in a temporary sibling folder, then renames it into
+/// place (replacing an existing `dir` only when `replace`), so an interrupted write leaves
+/// nothing half-written; the temporary folder is removed on failure.
+pub fn write_dir_atomic(
+    dir: &Path,
+    replace: bool,
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
+    if dir.exists() && !replace {
+        return Err(Error::arg(
+            "output",
+            format!("{} exists; refusing to overwrite it", dir.display()),
+        ));
+    }
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into());
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| -> Result<()> {
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        fill(&tmp)?;
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        }
+        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
 /// [`serialize`] then [`write_atomic`].
 pub fn write_tensors(
     path: &Path,

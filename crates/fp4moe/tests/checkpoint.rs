@@ -2,10 +2,9 @@
 //! back bit-identically, run against the reference backend, and bad checkpoints giving clear
 //! errors.
 
-use fp4moe::calibration::calibrate;
+use fp4moe::calibration::calibrate_with_router;
 use fp4moe::checkpoint::{write_checkpoint, Checkpoint, Family, ModelConfig, WriteOptions};
 use fp4moe::moe::relative_l2;
-use fp4moe::routing::{route, router_logits};
 use fp4moe::spec::{Activation, Intermediate, QuantMode, Scoring};
 use fp4moe::synthetic::{random_tokens, random_weights};
 use fp4moe::tensor_io::{read_file, write_tensors, OwnedTensor, TensorReader};
@@ -87,16 +86,7 @@ fn make(
     let stub = Checkpoint::spec_for(cfg, QuantMode::W4A16);
     let mut w = random_weights(&stub, seed).unwrap();
     let x = random_tokens(16, cfg.hidden, seed + 1);
-    let l = router_logits(&x, w.router.as_ref().unwrap(), cfg.hidden, cfg.experts);
-    let t = route(
-        &l,
-        cfg.experts,
-        &stub.routing,
-        w.e_score_correction_bias.as_deref(),
-    );
-    let s = calibrate(&stub, &w, &x, &t).input_scales();
-    w.w13_input_scale = Some(s.w13);
-    w.w2_input_scale = Some(s.w2);
+    calibrate_with_router(&stub, &mut w, &x).unwrap();
     let opts = WriteOptions {
         quant_algo: "NVFP4".into(),
         shard_bytes,

@@ -5,7 +5,7 @@
 
 mod common;
 
-use fp4moe::calibration::calibrate;
+use fp4moe::calibration::calibrate_with_router;
 use fp4moe::cuda::CudaLayer;
 use fp4moe::moe::relative_l2;
 use fp4moe::routing::router_logits;
@@ -45,16 +45,7 @@ fn with_scales(spec: &MoeSpec, mut w: MoeWeights, x: &[f32]) -> MoeWeights {
     if let QuantMode::W4A4 { .. } = spec.quant {
         let h = spec.shape.hidden;
         let calib = &x[..h * 16.min(x.len() / h)];
-        let logits = router_logits(calib, w.router.as_ref().unwrap(), h, spec.shape.experts);
-        let topk = fp4moe::routing::route(
-            &logits,
-            spec.shape.experts,
-            &spec.routing,
-            w.e_score_correction_bias.as_deref(),
-        );
-        let s = calibrate(spec, &w, calib, &topk).input_scales();
-        w.w13_input_scale = Some(s.w13);
-        w.w2_input_scale = Some(s.w2);
+        calibrate_with_router(spec, &mut w, calib).unwrap();
     }
     w
 }

@@ -5,7 +5,7 @@
 
 mod common;
 
-use fp4moe::calibration::calibrate;
+use fp4moe::calibration::calibrate_with_router;
 use fp4moe::format::activation::qdq_row;
 use fp4moe::moe::relative_l2;
 use fp4moe::routing::TopK;
@@ -51,17 +51,7 @@ fn spec(activation: Activation, quant: QuantMode, experts: usize, top_k: usize) 
 fn layer_weights(spec: &MoeSpec, seed: u64, x: &[f32]) -> MoeWeights {
     let mut w = random_weights(spec, seed).unwrap();
     if matches!(spec.quant, QuantMode::W4A4 { .. }) {
-        let w16 = MoeSpec {
-            quant: QuantMode::W4A16,
-            ..*spec
-        };
-        let topk = MoeLayer::new(w16, w.clone(), BackendChoice::Use(Backend::Reference))
-            .unwrap()
-            .route(x, None)
-            .unwrap();
-        let scales = calibrate(spec, &w, x, &topk).input_scales();
-        w.w13_input_scale = Some(scales.w13);
-        w.w2_input_scale = Some(scales.w2);
+        calibrate_with_router(spec, &mut w, x).unwrap();
     }
     w
 }

@@ -62,17 +62,13 @@ impl Backend {
                 max_top_k: None,
                 max_groups: None,
             },
+            // The CPU's feature set, within the limits of the kernels' shared-memory tables.
             Backend::Cuda => Capabilities {
                 device: DeviceKind::Cuda,
-                activations: &Activation::ALL,
-                w4a16: true,
-                w4a4_static: true,
-                w4a4_dynamic: true,
-                shared_expert: true,
-                expert_parallel: false,
                 max_experts: Some(crate::cuda::MAX_EXPERTS),
                 max_top_k: Some(crate::cuda::MAX_TOP_K),
                 max_groups: Some(crate::cuda::MAX_GROUPS),
+                ..Backend::Cpu.capabilities()
             },
         }
     }

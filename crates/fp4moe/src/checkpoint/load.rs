@@ -19,16 +19,9 @@ pub struct Checkpoint {
     pub moe_layers: Vec<usize>,
 }
 
-fn dir_err(dir: &Path, message: impl Into<String>) -> Error {
-    Error::File {
-        path: dir.to_path_buf(),
-        message: message.into(),
-    }
-}
-
 fn read_json(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| dir_err(path, format!("not valid JSON: {e}")))
+    serde_json::from_str(&text).map_err(|e| Error::file(path, format!("not valid JSON: {e}")))
 }
 
 /// Projection names of w13 (in row order) and w2 for a family / gatedness.
@@ -54,15 +47,15 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
         let cfg_json = read_json(&cfg_path)?;
-        let config = parse_model_config(&cfg_json).map_err(|m| dir_err(&cfg_path, m))?;
+        let config = parse_model_config(&cfg_json).map_err(|m| Error::file(&cfg_path, m))?;
         let hq = dir.join("hf_quant_config.json");
         let quant = if hq.is_file() {
-            parse_quant_config(&read_json(&hq)?).map_err(|m| dir_err(&hq, m))?
+            parse_quant_config(&read_json(&hq)?).map_err(|m| Error::file(&hq, m))?
         } else if let Some(q) = cfg_json.get("quantization_config") {
             parse_quant_config(q)
-                .map_err(|m| dir_err(&cfg_path, format!("quantization_config: {m}")))?
+                .map_err(|m| Error::file(&cfg_path, format!("quantization_config: {m}")))?
         } else {
-            return Err(dir_err(dir, "no hf_quant_config.json and no quantization_config in config.json: not a ModelOpt checkpoint"));
+            return Err(Error::file(dir, "no hf_quant_config.json and no quantization_config in config.json: not a ModelOpt checkpoint"));
         };
         let files = CheckpointFiles::open(dir)?;
         let gated = config.activation.is_gated();
@@ -90,7 +83,7 @@ impl Checkpoint {
                 intermediate: Intermediate::Static,
             }),
             QuantAlgo::W4A16Nvfp4 => Ok(QuantMode::W4A16),
-            QuantAlgo::Other(a) => Err(dir_err(
+            QuantAlgo::Other(a) => Err(Error::file(
                 &self.files.dir,
                 format!("quant_algo `{a}` is not NVFP4 or W4A16_NVFP4"),
             )),
@@ -168,7 +161,7 @@ impl Checkpoint {
                 .exclude_modules
                 .iter()
                 .find(|m| glob_match(m, &format!("{prefix}.experts.0.up_proj")));
-            return Err(dir_err(
+            return Err(Error::file(
                 &self.files.dir,
                 match excluded {
                     Some(m) => format!("layer {layer}: its experts are excluded from quantization (`{m}` in exclude_modules)"),
@@ -267,7 +260,7 @@ impl Checkpoint {
         };
         weights
             .validate(&spec)
-            .map_err(|err| dir_err(&self.files.dir, format!("layer {layer}: {err}")))?;
+            .map_err(|err| Error::file(&self.files.dir, format!("layer {layer}: {err}")))?;
         Ok((spec, weights))
     }
 
@@ -316,7 +309,7 @@ impl Checkpoint {
                 scale_2: nv.iter().map(|p| p.scale_2).collect(),
             })
         } else {
-            return Err(dir_err(
+            return Err(Error::file(
                 &self.files.dir,
                 format!("{base}: gate and up projections mix bf16 and NVFP4"),
             ));
@@ -337,7 +330,7 @@ impl Checkpoint {
                 scale_2: vec![p.scale_2],
             }),
             _ => {
-                return Err(dir_err(
+                return Err(Error::file(
                     &self.files.dir,
                     format!("{base}.down_proj.weight is missing"),
                 ))
@@ -421,8 +414,8 @@ pub struct LayerStats {
 fn input_scale(name: &str, v: Option<f32>, expert: usize, dir: &Path) -> Result<f32> {
     match v {
         Some(s) if s.is_finite() && s > 0.0 => Ok(s),
-        Some(s) => Err(dir_err(dir, format!("expert {expert}: `{name}.input_scale` = {s} must be finite and positive (or run with --mode w4a16)"))),
-        None => Err(dir_err(dir, format!("expert {expert}: `{name}.input_scale` is missing; W4A4 needs calibrated input scales (or run with --mode w4a16)"))),
+        Some(s) => Err(Error::file(dir, format!("expert {expert}: `{name}.input_scale` = {s} must be finite and positive (or run with --mode w4a16)"))),
+        None => Err(Error::file(dir, format!("expert {expert}: `{name}.input_scale` is missing; W4A4 needs calibrated input scales (or run with --mode w4a16)"))),
     }
 }
 

@@ -9,7 +9,7 @@ pub mod config;
 mod load;
 mod quantize;
 pub mod shards;
-mod write;
+pub(crate) mod write;
 
 pub use config::{Family, ModelConfig, QuantAlgo, QuantConfig};
 pub use load::{Checkpoint, LayerStats};

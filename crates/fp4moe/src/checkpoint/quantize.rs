@@ -11,6 +11,7 @@
 
 use super::config::{parse_model_config, ModelConfig};
 use super::shards::CheckpointFiles;
+use super::write::{hf_quant_config, projection_tensors};
 use crate::error::{Error, Result};
 use crate::format::nvfp4::NVFP4_RANGE;
 use crate::format::Nvfp4Tensor;
@@ -18,7 +19,6 @@ use crate::routing::{route, router_logits};
 use crate::spec::QuantMode;
 use crate::tensor_io::{self, OwnedTensor};
 use rayon::prelude::*;
-use safetensors::tensor::Dtype;
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -44,13 +44,6 @@ pub struct QuantizeReport {
     pub quant_algo: String,
     /// Per layer, the experts no calibration token reached.
     pub uncalibrated: Vec<(usize, Vec<usize>)>,
-}
-
-fn dir_err(path: &Path, message: impl Into<String>) -> Error {
-    Error::File {
-        path: path.to_path_buf(),
-        message: message.into(),
-    }
 }
 
 fn projections(gated: bool) -> &'static [&'static str] {
@@ -171,8 +164,8 @@ pub fn quantize_checkpoint(
     let cfg_path = input.join("config.json");
     let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
     let cfg_json: serde_json::Value = serde_json::from_str(&cfg_text)
-        .map_err(|e| dir_err(&cfg_path, format!("not valid JSON: {e}")))?;
-    let cfg = parse_model_config(&cfg_json).map_err(|m| dir_err(&cfg_path, m))?;
+        .map_err(|e| Error::file(&cfg_path, format!("not valid JSON: {e}")))?;
+    let cfg = parse_model_config(&cfg_json).map_err(|m| Error::file(&cfg_path, m))?;
     let files = CheckpointFiles::open(input)?;
     let gated = cfg.activation.is_gated();
     let first = projections(gated)[0];
@@ -185,7 +178,7 @@ pub fn quantize_checkpoint(
         })
         .collect();
     if moe_layers.is_empty() {
-        return Err(dir_err(
+        return Err(Error::file(
             input,
             "no MoE expert weights found (nothing to quantize)",
         ));
@@ -249,18 +242,8 @@ pub fn quantize_checkpoint(
         }
     }
 
-    let parent = match output.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => std::path::PathBuf::from("."),
-    };
-    let name = output
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "checkpoint".into());
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| -> Result<()> {
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    // The up-front check above refused an existing output unless --force.
+    tensor_io::write_dir_atomic(output, true, |tmp| {
         let shards = files.shard_contents();
         let mut weight_map = BTreeMap::new();
         for (k, (path, names)) in shards.iter().enumerate() {
@@ -279,31 +262,16 @@ pub fn quantize_checkpoint(
                             let (data, rows, cols) = dense(&files, n)?;
                             let q = Nvfp4Tensor::quantize(n, &data, rows, cols)
                                 .map_err(|e| t.err(e))?;
-                            let mut v = vec![
-                                (
-                                    format!("{b}.weight"),
-                                    OwnedTensor::bytes(Dtype::U8, vec![rows, cols / 2], q.packed),
-                                ),
-                                (
-                                    format!("{b}.weight_scale"),
-                                    OwnedTensor::bytes(
-                                        Dtype::F8_E4M3,
-                                        vec![rows, cols / 16],
-                                        q.scales,
-                                    ),
-                                ),
-                                (
-                                    format!("{b}.weight_scale_2"),
-                                    OwnedTensor::f32(vec![], &[q.scale_2]),
-                                ),
-                            ];
-                            if let Some(s) = input_scales.get(b) {
-                                v.push((
-                                    format!("{b}.input_scale"),
-                                    OwnedTensor::f32(vec![], &[*s]),
-                                ));
-                            }
-                            Ok(v)
+                            let input_scale = input_scales.get(b).copied();
+                            Ok(projection_tensors(
+                                b,
+                                rows,
+                                cols,
+                                q.packed,
+                                q.scales,
+                                q.scale_2,
+                                input_scale,
+                            ))
                         }
                         None => Ok(vec![(
                             n.to_string(),
@@ -328,22 +296,15 @@ pub fn quantize_checkpoint(
             tensor_io::write_tensors(&tmp.join(&file), &out, None)?;
         }
         // Always an index (also over a single file), as ModelOpt exports have it.
-        let text = serde_json::to_string_pretty(&json!({"metadata": {}, "weight_map": weight_map}))
-            .map_err(|e| Error::arg("output", e.to_string()))?;
-        tensor_io::write_atomic(&tmp.join("model.safetensors.index.json"), text.as_bytes())?;
+        tensor_io::write_json(
+            &tmp.join("model.safetensors.index.json"),
+            &json!({"metadata": {}, "weight_map": weight_map}),
+        )?;
         tensor_io::write_atomic(&tmp.join("config.json"), cfg_text.as_bytes())?;
-        let hq = json!({"producer": {"name": "fp4moe", "version": env!("CARGO_PKG_VERSION")},
-            "quantization": {"quant_algo": report.quant_algo, "group_size": 16, "kv_cache_quant_algo": null, "exclude_modules": exclude}});
-        let text =
-            serde_json::to_string_pretty(&hq).map_err(|e| Error::arg("output", e.to_string()))?;
-        tensor_io::write_atomic(&tmp.join("hf_quant_config.json"), text.as_bytes())?;
-        if output.exists() {
-            std::fs::remove_dir_all(output).map_err(|e| Error::io(output, e))?;
-        }
-        std::fs::rename(&tmp, output).map_err(|e| Error::io(output, e))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    result.map(|()| report)
+        tensor_io::write_json(
+            &tmp.join("hf_quant_config.json"),
+            &hf_quant_config(&report.quant_algo, &exclude),
+        )
+    })?;
+    Ok(report)
 }

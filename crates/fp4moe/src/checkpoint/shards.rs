@@ -31,13 +31,6 @@ pub struct CheckpointFiles {
     index: HashMap<String, usize>,
 }
 
-fn file_err(path: &Path, message: impl Into<String>) -> Error {
-    Error::File {
-        path: path.to_path_buf(),
-        message: message.into(),
-    }
-}
-
 fn open_shard(path: &Path) -> Result<Shard> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: the file is opened read-only and the map is never written. Like every reader of
@@ -71,30 +64,30 @@ impl CheckpointFiles {
             let text =
                 std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
             let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| file_err(&index_path, format!("not valid JSON: {e}")))?;
+                .map_err(|e| Error::file(&index_path, format!("not valid JSON: {e}")))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| file_err(&index_path, "field `weight_map` is missing"))?;
+                .ok_or_else(|| Error::file(&index_path, "field `weight_map` is missing"))?;
             let mut by_file: HashMap<String, usize> = HashMap::new();
             let mut entries: Vec<(&String, &serde_json::Value)> = map.iter().collect();
             entries.sort_by(|a, b| a.0.cmp(b.0));
             for (name, file) in entries {
                 let file = file.as_str().ok_or_else(|| {
-                    file_err(
+                    Error::file(
                         &index_path,
                         format!("weight_map entry `{name}` is not a file name"),
                     )
                 })?;
                 if file.contains('/') || file.contains("..") {
-                    return Err(file_err(&index_path, format!("weight_map entry `{name}` names `{file}` outside the checkpoint folder")));
+                    return Err(Error::file(&index_path, format!("weight_map entry `{name}` names `{file}` outside the checkpoint folder")));
                 }
                 let i = match by_file.get(file) {
                     Some(&i) => i,
                     None => {
                         let path = dir.join(file);
                         if !path.is_file() {
-                            return Err(file_err(
+                            return Err(Error::file(
                                 &index_path,
                                 format!("shard `{file}` (holding `{name}`) does not exist"),
                             ));
@@ -105,7 +98,7 @@ impl CheckpointFiles {
                     }
                 };
                 if shards[i].meta.info(name).is_none() {
-                    return Err(file_err(
+                    return Err(Error::file(
                         &shards[i].path,
                         format!(
                             "tensor `{name}` is listed in the index but missing from this shard"
@@ -117,7 +110,7 @@ impl CheckpointFiles {
         } else {
             let path = dir.join("model.safetensors");
             if !path.is_file() {
-                return Err(file_err(
+                return Err(Error::file(
                     dir,
                     "neither model.safetensors nor model.safetensors.index.json is here",
                 ));
@@ -173,18 +166,18 @@ impl CheckpointFiles {
         let (key, &i) = self
             .index
             .get_key_value(name)
-            .ok_or_else(|| file_err(&self.dir, format!("tensor `{name}` is missing")))?;
+            .ok_or_else(|| Error::file(&self.dir, format!("tensor `{name}` is missing")))?;
         let s = &self.shards[i];
         let info = s
             .meta
             .info(name)
-            .ok_or_else(|| file_err(&s.path, format!("tensor `{name}` is missing")))?;
+            .ok_or_else(|| Error::file(&s.path, format!("tensor `{name}` is missing")))?;
         let (a, b) = info.data_offsets;
         let data = s
             .mmap
             .get(s.data_start + a..s.data_start + b)
             .ok_or_else(|| {
-                file_err(
+                Error::file(
                     &s.path,
                     format!("tensor `{name}`: data offsets lie outside the file"),
                 )
@@ -201,7 +194,7 @@ impl CheckpointFiles {
 
 impl TensorRef<'_> {
     pub fn err(&self, message: impl std::fmt::Display) -> Error {
-        file_err(self.shard, format!("tensor `{}`: {message}", self.name))
+        Error::file(self.shard, format!("tensor `{}`: {message}", self.name))
     }
 
     /// F32/BF16 values (any shape).

@@ -4,7 +4,7 @@
 //! nothing half-written; an existing destination is refused.
 
 use super::config::{Family, ModelConfig};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::spec::Scoring;
 use crate::tensor_io::{self, OwnedTensor};
 use crate::weights::{DenseWeight, ExpertStack, MoeWeights};
@@ -22,6 +22,47 @@ pub struct WriteOptions {
     pub shard_bytes: Option<usize>,
 }
 
+/// The ModelOpt tensors of one NVFP4 projection `base` (`[rows, cols]`): `.weight` U8,
+/// `.weight_scale` F8_E4M3, `.weight_scale_2` F32 0-d, and `.input_scale` F32 0-d when given.
+pub(crate) fn projection_tensors(
+    base: &str,
+    rows: usize,
+    cols: usize,
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+    scale_2: f32,
+    input_scale: Option<f32>,
+) -> Vec<(String, OwnedTensor)> {
+    let mut v = vec![
+        (
+            format!("{base}.weight"),
+            OwnedTensor::bytes(Dtype::U8, vec![rows, cols / 2], packed),
+        ),
+        (
+            format!("{base}.weight_scale"),
+            OwnedTensor::bytes(Dtype::F8_E4M3, vec![rows, cols / 16], scales),
+        ),
+        (
+            format!("{base}.weight_scale_2"),
+            OwnedTensor::f32(vec![], &[scale_2]),
+        ),
+    ];
+    if let Some(s) = input_scale {
+        v.push((
+            format!("{base}.input_scale"),
+            OwnedTensor::f32(vec![], &[s]),
+        ));
+    }
+    v
+}
+
+/// `hf_quant_config.json` as ModelOpt writes it (the fields vLLM requires).
+pub(crate) fn hf_quant_config(quant_algo: &str, exclude: &[String]) -> serde_json::Value {
+    json!({"producer": {"name": "fp4moe", "version": env!("CARGO_PKG_VERSION")},
+           "quantization": {"quant_algo": quant_algo, "group_size": 16,
+                            "kv_cache_quant_algo": null, "exclude_modules": exclude}})
+}
+
 fn push_projection(
     out: &mut Vec<(String, OwnedTensor)>,
     name: &str,
@@ -33,32 +74,15 @@ fn push_projection(
     let rows = s.rows / s.shards;
     let (rb, sc) = (s.row_bytes(), s.scale_cols());
     let r0 = e * s.rows + shard * rows;
-    out.push((
-        format!("{name}.weight"),
-        OwnedTensor::bytes(
-            Dtype::U8,
-            vec![rows, s.cols / 2],
-            s.packed[r0 * rb..(r0 + rows) * rb].to_vec(),
-        ),
+    out.extend(projection_tensors(
+        name,
+        rows,
+        s.cols,
+        s.packed[r0 * rb..(r0 + rows) * rb].to_vec(),
+        s.scales[r0 * sc..(r0 + rows) * sc].to_vec(),
+        s.scale_2[e * s.shards + shard],
+        input_scale,
     ));
-    out.push((
-        format!("{name}.weight_scale"),
-        OwnedTensor::bytes(
-            Dtype::F8_E4M3,
-            vec![rows, s.cols / 16],
-            s.scales[r0 * sc..(r0 + rows) * sc].to_vec(),
-        ),
-    ));
-    out.push((
-        format!("{name}.weight_scale_2"),
-        OwnedTensor::f32(vec![], &[s.scale_2[e * s.shards + shard]]),
-    ));
-    if let Some(v) = input_scale {
-        out.push((
-            format!("{name}.input_scale"),
-            OwnedTensor::f32(vec![], &[v]),
-        ));
-    }
 }
 
 fn push_dense(out: &mut Vec<(String, OwnedTensor)>, names: &[String], w: &DenseWeight) {
@@ -129,12 +153,6 @@ pub fn write_checkpoint(
     layers: &[(usize, MoeWeights)],
     opts: &WriteOptions,
 ) -> Result<()> {
-    if dir.exists() {
-        return Err(Error::arg(
-            "output",
-            format!("{} exists; refusing to overwrite it", dir.display()),
-        ));
-    }
     let gated = cfg.activation.is_gated();
     let mut tensors: Vec<(String, OwnedTensor)> = Vec::new();
     let mut exclude = vec!["lm_head".to_string()];
@@ -196,31 +214,14 @@ pub fn write_checkpoint(
         }
         exclude.push(cfg.family.router_module(*l));
     }
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => std::path::PathBuf::from("."),
-    };
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "checkpoint".into());
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| -> Result<()> {
-        std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        let write_json = |file: &str, v: &serde_json::Value| -> Result<()> {
-            let text =
-                serde_json::to_string_pretty(v).map_err(|e| Error::arg("output", e.to_string()))?;
-            tensor_io::write_atomic(&tmp.join(file), text.as_bytes())
-        };
-        write_json("config.json", &config_json(cfg))?;
-        write_json(
-            "hf_quant_config.json",
-            &json!({"producer": {"name": "fp4moe", "version": env!("CARGO_PKG_VERSION")},
-                    "quantization": {"quant_algo": opts.quant_algo, "group_size": 16,
-                                     "kv_cache_quant_algo": null, "exclude_modules": exclude}}),
+    tensor_io::write_dir_atomic(dir, false, |tmp| {
+        tensor_io::write_json(&tmp.join("config.json"), &config_json(cfg))?;
+        tensor_io::write_json(
+            &tmp.join("hf_quant_config.json"),
+            &hf_quant_config(&opts.quant_algo, &exclude),
         )?;
         match opts.shard_bytes {
-            None => tensor_io::write_tensors(&tmp.join("model.safetensors"), &tensors, None)?,
+            None => tensor_io::write_tensors(&tmp.join("model.safetensors"), &tensors, None),
             Some(limit) => {
                 let mut groups: Vec<Vec<(String, OwnedTensor)>> = vec![Vec::new()];
                 let mut size = 0;
@@ -243,16 +244,11 @@ pub fn write_checkpoint(
                     }
                     tensor_io::write_tensors(&tmp.join(&file), g, None)?;
                 }
-                write_json(
-                    "model.safetensors.index.json",
+                tensor_io::write_json(
+                    &tmp.join("model.safetensors.index.json"),
                     &json!({"metadata": {}, "weight_map": map}),
-                )?;
+                )
             }
         }
-        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    result
+    })
 }
