@@ -2,12 +2,16 @@
 # One device call: every staged test with FP4MOE_REQUIRE_GPU=1, compute-sanitizer on the small
 # GPU tests, an ncu kernel-time breakdown, `fp4moe bench` for both presets and modes, and the
 # PyTorch bf16 peer on the same presets. Run from the repo root on the GPU machine after
-# ../shared/tools/gpu-stage. Logs go to $OUT/logs.tar.gz, benchmark JSON beside it.
-# usage: bash scripts/gpu-run.sh [tests] [sanitizer] [ncu] [shapes] [bench] [torch]   (default: all)
+# ../shared/tools/gpu-stage. Logs go to $OUT/logs/ as they are written (a run cut short by the
+# time limit still returns them), benchmark JSON beside them.
+# usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [shapes] [paths] [bench] [torch]
+# (default: all but prefill-tests, which tests covers)
+# NCU_TOKENS (default "1 64 256") picks the ncu batch sizes, BENCH_MODES (default "w4a16 w4a4")
+# the bench modes.
 set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-L=/tmp/fp4moe-logs; rm -rf $L; mkdir -p $L
-steps="${*:-tests sanitizer ncu shapes bench torch}"
+L="$OUT/logs"; mkdir -p "$L"
+steps="${*:-tests sanitizer ncu detail shapes paths bench torch}"
 has() { case " $steps " in *" $1 "*) return 0;; esac; return 1; }
 export FP4MOE_REQUIRE_GPU=1 FP4MOE_GOLDEN_DIR="$PWD/.gpu/golden" FP4MOE_CACHE_DIR=/tmp/fp4moe-cache RUST_BACKTRACE=1
 export FP4MOE_BIN="$PWD/.gpu/fp4moe"
@@ -15,12 +19,20 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 if has tests; then
   bash .gpu/run.sh > $L/tests.txt 2>&1; echo "tests rc=$?"
   grep -E "^test .*FAILED|panicked|rel err|test result|^FAILED" $L/tests.txt | tail -60
+  # The mma.sync prefill kernels (what sm_80/86/89 run), compiled for plain sm_90 on this GPU.
+  FP4MOE_CUDA_ARCH=sm_90 .gpu/tests/cuda_device-* --test-threads=1 --nocapture prefill > $L/tests-sm90-mma.txt 2>&1
+  echo "prefill tests with FP4MOE_CUDA_ARCH=sm_90 (mma.sync): rc=$?"
+  grep -E "panicked|rel err|test result" $L/tests-sm90-mma.txt | tail -30
+fi
+if has prefill-tests; then
+  .gpu/tests/cuda_device-* --test-threads=1 --nocapture prefill router > $L/tests-prefill.txt 2>&1
+  echo "prefill tests: rc=$?"; grep -E "panicked|rel err|test result" $L/tests-prefill.txt | tail -30
 fi
 san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if has sanitizer && [ -n "$san" ]; then
   for tool in memcheck racecheck; do
     for t in .gpu/tests/moe_golden-* .gpu/tests/cuda_device-*; do
-      filt=cuda; case "$t" in *cuda_device*) filt=graph_capture;; esac
+      filt=cuda; case "$t" in *cuda_device*) filt="graph_capture prefill_golden";; esac
       n=$(basename "${t%-*}")
       "$san" --tool $tool --error-exitcode 9 "$t" --test-threads=1 $filt > $L/sanitizer-$tool-$n.txt 2>&1
       echo "compute-sanitizer $tool $n: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $L/sanitizer-$tool-$n.txt | head -1)"
@@ -29,7 +41,7 @@ if has sanitizer && [ -n "$san" ]; then
 fi
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 if has ncu && [ -n "$ncu" ]; then
-  for t in 1 64 256; do
+  for t in ${NCU_TOKENS:-1 64 256}; do
     "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip 0 --launch-count 30 \
       .gpu/fp4moe bench --preset nemotron3-nano --tokens $t --backend cuda --iterations 1 > $L/ncu-nemotron-$t.csv 2>$L/ncu-nemotron-$t.err
     echo "ncu nemotron T=$t (kernel, µs):"
@@ -46,15 +58,27 @@ for k, v in acc.items(): print(f"  {k:<28} n={len(v):<3} median {sorted(v)[len(v
 PY
   done
 fi
+if has detail && [ -n "$ncu" ]; then
+  # One prefill GEMM under ncu's full set: throughput, pipe use and stall reasons.
+  "$ncu" --set full -k regex:prefill_gemm1 --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano \
+    --tokens 4096 --backend cuda --iterations 1 > $L/ncu-prefill-full.txt 2>&1
+  grep -E "Duration|Throughput|Issue Slots|Issued Ipc|Pipe|Stall|Warp Cycles|Eligible|Active Warps|Bank|Registers|L2 Hit|Executed Ipc|No Eligible|One or More|Theoretical Occ|Achieved Occ|smsp__pcsamp" $L/ncu-prefill-full.txt | head -90
+fi
 if has shapes; then
   for shape in narrow wide; do
     echo "== FP4MOE_GEMM_SHAPE=$shape"
     FP4MOE_GEMM_SHAPE=$shape .gpu/fp4moe bench --preset nemotron3-nano --tokens 1,8,64,256 --backend cuda 2>&1 | tail -5 | tee -a $L/shapes.txt
   done
 fi
+if has paths; then
+  for path in decode prefill; do
+    echo "== FP4MOE_GEMM_PATH=$path"
+    FP4MOE_GEMM_PATH=$path .gpu/fp4moe bench --preset nemotron3-nano --tokens 16,32,64,128,256,512,1024 --backend cuda 2>&1 | tail -9 | tee -a $L/paths.txt
+  done
+fi
 if has bench; then
   for preset in nemotron3-nano qwen3-30b-a3b; do
-    for mode in w4a16 w4a4; do
+    for mode in ${BENCH_MODES:-w4a16 w4a4}; do
       .gpu/fp4moe bench --preset $preset --mode $mode --backend cuda --json "$OUT/bench-$preset-$mode.json" 2>&1 | tee -a $L/bench.txt
     done
   done
@@ -65,4 +89,3 @@ if has torch; then
     $PY benches/peers/torch_moe.py --preset $preset --json "$L/torch-$preset.json" 2>&1 | tee -a $L/bench.txt
   done
 fi
-tar czf "$OUT/logs.tar.gz" -C $L .

@@ -132,7 +132,11 @@ enum Command {
         #[arg(long, value_enum, default_value = "nemotron3-nano")]
         preset: PresetArg,
         /// Batch sizes.
-        #[arg(long, value_delimiter = ',', default_value = "1,8,64,256,1024,4096")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "1,8,64,256,1024,4096,16384"
+        )]
         tokens: Vec<usize>,
         #[arg(long, value_enum, default_value = "w4a16")]
         mode: bench::ModeArg,

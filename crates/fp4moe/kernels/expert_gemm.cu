@@ -4,52 +4,34 @@
 // Work split: grid.y walks the active experts (slot s < num_active, expert active[s]); grid.x
 // the output row groups, RGPB per block, each split over KSPLIT warps along K. A block stages NT = 8·NSUB of its
 // expert's activation rows (bf16, k padded to 64, rows padded by 8 elements against bank
-// conflicts) in shared memory and each warp streams its weight rows once per token tile:
-//
-//   GEMM1: h = a · deq(w13_e)^T · alpha,   alpha = scale_2(shard) · act_alpha (1/gs1 in W4A4)
-//          gated: the warp owns gate rows [16r, 16r+16) and up rows I + [16r, 16r+16), so
-//          g = act(h_gate) · h_up never leaves registers; non-gated: g = act(h) (ReLU²: alpha
-//          before squaring). W4A4: the warp's 16 rows are one NVFP4 block of g along I, so the
-//          block scale is a shuffle-reduction and g is stored as the exact bf16 e2m1 · S.
-//   GEMM2: o = g · deq(w2_e)^T · alpha · router weight, written per pair for the combine.
+// conflicts) in shared memory and each warp streams its weight rows once per token tile (formulas
+// and epilogues: gemm_common.cuh). Gated, a warp owns gate rows [16r, 16r+16) and up
+// rows I + [16r, 16r+16), so g = act(h_gate) · h_up never leaves registers.
 //
 // Prepared weight layout (crates/fp4moe/src/cuda/pack.rs), per expert, row group rg and 64-wide k
 // group kg: NVFP4 data 32 lanes x 16 bytes (lane L = 4g + q, bytes 4j..4j+3 for k block j:
 // rows g, g+8 at k 2q..2q+1 and rows g, g+8 at k 2q+8..2q+9, i.e. the mma A fragment) and scales
 // 8 x 8 bytes (rows g and g+8, k blocks 0..3). BF16 weights: per 16-wide k block, 32 lanes x the
 // four A-fragment registers.
-#include "common.cuh"
+#include "gemm_common.cuh"
 
-struct GemmParams {
-    const u8* wdata;
-    const u8* wscales;
-    const float* wscale2;
-    const __nv_bfloat16* act;
-    const int* offsets;
-    const int* sorted;
-    const int* active;
-    const int* num_active;
-    __nv_bfloat16* g_out;
-    const float* topk_w;
-    float* o_out;
-    int rg_out;      // output row groups: I/16 (GEMM1) or H/16 (GEMM2)
-    int rg_w;        // weight row groups per expert
-    int kg;          // 64-wide k groups (padded K / 64)
-    int k;           // valid K
-    int shards;      // scale_2 values per expert
-    int top_k;       // > 0: activation row = sorted pair / top_k (GEMM1); 0: row = sorted position
-    int activation;
-    int out_stride;  // row length of g_out / o_out
-    float act_alpha;
-    float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
-};
+// The decode kernels dequantize through two shared-memory tables (measured faster here than
+// gemm_common.cuh's table-free dequant_fragment_alu, which the prefill kernels use: run 9 in
+// docs/KERNEL_NOTES.md): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
+// lut8[s] = bf16x2 (S, S) of E4M3 byte s. Every product e2m1 · S has at most 6 significant bits,
+// so the bf16 multiply is exact.
+__device__ __forceinline__ void fill_dequant_tables(u32* lut4, u32* lut8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        float lo = (i & 7) ? e2m1_value(i & 15) : 0.0f;
+        float hi = ((i >> 4) & 7) ? e2m1_value(i >> 4) : 0.0f;
+        lut4[i] = bf16x2_bits(__floats2bfloat162_rn(lo, hi));
+        float sc = e4m3_to_float((u8)i);
+        lut8[i] = bf16x2_bits(__floats2bfloat162_rn(sc, sc));
+    }
+}
 
-// Block shape: RGPB row groups x KSPLIT slices of K, one warp each (NWARPS = 16, or 8 for the
-// 32-token variants so their accumulators fit in registers); the KSPLIT partial accumulators
-// are summed in shared memory in a fixed order (deterministic). Two shapes: narrow (few row
-// groups, many K slices: many blocks, for few tokens) and wide (one activation staging serves
-// 64 or 128 weight rows, for larger batches).
-
+// One mma A fragment (16 rows x 16 k) from its packed word (see cuda/pack.rs) and the block
+// scale bytes of rows g (sg) and g + 8 (sg8).
 __device__ __forceinline__ void dequant_fragment(u32 word, u32 sg, u32 sg8, const u32* lut4,
                                                  const u32* lut8, u32 a[4]) {
     __nv_bfloat162 s0 = bits_bf16x2(lut8[sg]), s1 = bits_bf16x2(lut8[sg8]);
@@ -58,6 +40,12 @@ __device__ __forceinline__ void dequant_fragment(u32 word, u32 sg, u32 sg8, cons
     a[2] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[(word >> 16) & 0xff]), s0));
     a[3] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[word >> 24]), s1));
 }
+
+// Block shape: RGPB row groups x KSPLIT slices of K, one warp each (NWARPS = 16, or 8 for the
+// 32-token variants so their accumulators fit in registers); the KSPLIT partial accumulators
+// are summed in shared memory in a fixed order (deterministic). Two shapes: narrow (few row
+// groups, many K slices: many blocks, for few tokens) and wide (one activation staging serves
+// 64 or 128 weight rows, for larger batches).
 
 template <int NSUB>
 __device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4], const __nv_bfloat16* sact,
@@ -117,13 +105,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     int per = (p.kg + KSPLIT - 1) / KSPLIT;
     int k_lo = min(ks * per, p.kg), k_hi = min(k_lo + per, p.kg);
 
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        float lo = (i & 7) ? e2m1_value(i & 15) : 0.0f;
-        float hi = ((i >> 4) & 7) ? e2m1_value(i >> 4) : 0.0f;
-        lut4[i] = bf16x2_bits(__floats2bfloat162_rn(lo, hi));
-        float sc = e4m3_to_float((u8)i);
-        lut8[i] = bf16x2_bits(__floats2bfloat162_rn(sc, sc));
-    }
+    fill_dequant_tables(lut4, lut8);
 
     const int kp = p.kg * 64;
     const int stride = kp + 8;
@@ -222,53 +204,10 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 }
         }
 
-        if (STAGE == 1) {
-            float alpha_g = p.wscale2[e * p.shards] * p.act_alpha;
-            float alpha_u = GATED ? p.wscale2[e * p.shards + 1] * p.act_alpha : 0.0f;
-#pragma unroll
-            for (int s = 0; s < NSUB; s++) {
-                if (s >= nsub_valid) continue;  // warp-uniform
-#pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    float v0 = apply_activation(p.activation, acc[s][c] * alpha_g, accu[s][c] * alpha_u);
-                    float v1 = apply_activation(p.activation, acc[s][2 + c] * alpha_g, accu[s][2 + c] * alpha_u);
-                    if (p.gs_out > 0.0f) {
-                        float vmax = fmaxf(fabsf(v0), fabsf(v1));
-                        vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 4));
-                        vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 8));
-                        vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 16));
-                        u8 sb;
-                        float sf = nvfp4_block_scale(vmax, p.gs_out, &sb);
-                        float os = nvfp4_out_scale(sf, p.gs_out);
-                        u32 c0 = nvfp4_code(v0, os), c1 = nvfp4_code(v1, os);
-                        v0 = (c0 & 7) ? e2m1_value(c0) * sf : 0.0f;
-                        v1 = (c1 & 7) ? e2m1_value(c1) * sf : 0.0f;
-                    }
-                    int lt = t0 + s * 8 + 2 * q + c;
-                    if (lt < n_e) {
-                        __nv_bfloat16* out = p.g_out + (size_t)(base + lt) * p.out_stride + rg * 16 + g;
-                        out[0] = __float2bfloat16_rn(v0);
-                        out[8] = __float2bfloat16_rn(v1);
-                    }
-                }
-            }
-        } else {
-            float alpha = p.wscale2[e * p.shards] * p.act_alpha;
-#pragma unroll
-            for (int s = 0; s < NSUB; s++) {
-#pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    int lt = t0 + s * 8 + 2 * q + c;
-                    if (s < nsub_valid && lt < n_e) {
-                        int pair = p.sorted[base + lt];
-                        float w = p.topk_w[pair] * alpha;
-                        float* out = p.o_out + (size_t)pair * p.out_stride + rg * 16 + g;
-                        out[0] = acc[s][c] * w;
-                        out[8] = acc[s][2 + c] * w;
-                    }
-                }
-            }
-        }
+        if (STAGE == 1)
+            store_gemm1<NSUB, GATED>(p, acc, accu, e, base, n_e, t0, rg, nsub_valid, 1.0f);
+        else
+            store_gemm2<NSUB>(p, acc, e, base, n_e, t0, rg, nsub_valid, 1.0f);
     }
 }
 

@@ -19,15 +19,22 @@ pub struct TopK {
     pub weights: Vec<f32>,
 }
 
-/// `logits = x · Wgate^T` in f32 (`x`: `[T, H]`, `router`: `[E, H]`).
+/// `logits = x · Wgate^T` in f32 (`x`: `[T, H]`, `router`: `[E, H]`), tokens in parallel, each
+/// logit a sequential sum (the same bits whatever the thread count).
 pub fn router_logits(x: &[f32], router: &[f32], hidden: usize, experts: usize) -> Vec<f32> {
+    use rayon::prelude::*;
     let tokens = x.len() / hidden.max(1);
     let mut out = vec![0.0f32; tokens * experts];
-    for (xt, lt) in x.chunks_exact(hidden).zip(out.chunks_exact_mut(experts)) {
-        for (l, w) in lt.iter_mut().zip(router.chunks_exact(hidden)) {
-            *l = xt.iter().zip(w).map(|(a, b)| a * b).sum();
-        }
+    if hidden == 0 || experts == 0 {
+        return out;
     }
+    x.par_chunks_exact(hidden)
+        .zip(out.par_chunks_exact_mut(experts))
+        .for_each(|(xt, lt)| {
+            for (l, w) in lt.iter_mut().zip(router.chunks_exact(hidden)) {
+                *l = xt.iter().zip(w).map(|(a, b)| a * b).sum();
+            }
+        });
     out
 }
 

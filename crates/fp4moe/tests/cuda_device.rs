@@ -1,12 +1,14 @@
-//! CUDA-only checks at real model shapes: every batch size of the decode path, expert counts up
-//! to 512, widths that are not multiples of 128, CUDA-graph capture and bitwise reproducibility.
-//! Full batches run on the GPU; a sample of tokens is checked against the reference backend
-//! (tokens are independent, so a sample checks the batch's routing and grouping too).
+//! CUDA-only checks at real model shapes: every batch size of the decode and prefill paths,
+//! expert counts up to 512, widths that are not multiples of 128, skewed routing, CUDA-graph
+//! capture and bitwise reproducibility. Full batches run on the GPU; a sample of tokens is
+//! checked against the reference backend (tokens are independent, so a sample checks the
+//! batch's routing and grouping too).
 
 mod common;
 
 use fp4moe::calibration::calibrate_with_router;
-use fp4moe::cuda::CudaLayer;
+use fp4moe::cuda::{CudaLayer, GemmPath};
+use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
 use fp4moe::routing::router_logits;
 use fp4moe::spec::{
@@ -161,15 +163,233 @@ fn many_experts_and_top1() {
     );
 }
 
+/// One forward of `layer` on the device with host logits: (output, routing ids).
+fn run_device(layer: &CudaLayer, x: &[f32], logits: &[f32]) -> (Vec<f32>, Vec<i32>) {
+    let tokens = x.len() / layer_hidden(layer);
+    let st = layer.stream().clone();
+    let mut ws = layer.workspace(tokens).unwrap();
+    st.memcpy_htod(x, &mut ws.x).unwrap();
+    let l = st.clone_htod(logits).unwrap();
+    layer.forward_device(&mut ws, Some(&l)).unwrap();
+    (
+        st.clone_dtoh(&ws.out).unwrap(),
+        st.clone_dtoh(&ws.ids).unwrap(),
+    )
+}
+
+fn layer_hidden(layer: &CudaLayer) -> usize {
+    layer.spec().shape.hidden
+}
+
+/// The prefill GEMMs against the decode GEMMs (same layer, same routing) and a sample of tokens
+/// against the reference backend; `skew`: expert 5 gets at least half of the tokens.
+fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
+    let (h, e) = (spec.shape.hidden, spec.shape.experts);
+    let x = random_tokens(tokens, h, seed);
+    let w = with_scales(&spec, random_weights(&spec, seed).unwrap(), &x);
+    let mut logits = router_logits(&x, w.router.as_ref().unwrap(), h, e);
+    if skew {
+        for t in (0..tokens).step_by(2) {
+            logits[t * e + 5] += 30.0;
+        }
+    }
+    let mut layer = CudaLayer::new(&spec, &w).unwrap();
+    layer.set_gemm_path(Some(GemmPath::Prefill));
+    let (out, ids) = run_device(&layer, &x, &logits);
+    assert!(out.iter().all(|v| v.is_finite()), "non-finite output");
+    if skew {
+        let hot = ids.iter().filter(|&&i| i == 5).count();
+        assert!(hot >= tokens / 2, "hot expert got {hot} of {tokens} tokens");
+    }
+    let (again, _) = run_device(&layer, &x, &logits);
+    assert!(
+        out.iter()
+            .zip(&again)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "prefill path not bitwise reproducible"
+    );
+    layer.set_gemm_path(Some(GemmPath::Decode));
+    let (dec, dec_ids) = run_device(&layer, &x, &logits);
+    assert_eq!(ids, dec_ids);
+    let vs_decode = relative_l2(&out, &dec);
+
+    // Sample: spread over the batch, plus hot-expert tokens when skewed.
+    let sample: Vec<usize> = (0..tokens).step_by((tokens / 10).max(1)).take(10).collect();
+    let xs: Vec<f32> = sample
+        .iter()
+        .flat_map(|&t| x[t * h..(t + 1) * h].to_vec())
+        .collect();
+    let ls: Vec<f32> = sample
+        .iter()
+        .flat_map(|&t| logits[t * e..(t + 1) * e].to_vec())
+        .collect();
+    let reference = MoeLayer::new(spec, w, BackendChoice::Use(Backend::Reference)).unwrap();
+    let (want, _) = reference.run(&xs, Some(&ls)).unwrap();
+    let got: Vec<f32> = sample
+        .iter()
+        .flat_map(|&t| out[t * h..(t + 1) * h].to_vec())
+        .collect();
+    let err = relative_l2(&got, &want);
+    println!(
+        "prefill {} {} H{h} I{} E{e} k{} T{tokens}{}: rel err {err:.3e} vs reference, {vs_decode:.3e} vs decode",
+        spec.activation,
+        spec.quant,
+        spec.shape.intermediate,
+        spec.routing.top_k,
+        if skew { " skewed" } else { "" }
+    );
+    assert!(
+        err <= 1e-2,
+        "relative error {err:e} against the reference backend"
+    );
+    assert!(
+        vs_decode <= 1e-2,
+        "relative error {vs_decode:e} against the decode path"
+    );
+}
+
+#[test]
+fn prefill_nemotron_shape_large_batches() {
+    if !common::gpu_available() {
+        return;
+    }
+    let nemotron = |q| spec(2688, 1856, 128, 6, Activation::Relu2NoMul, q);
+    for t in [1024, 4096, 16384] {
+        check_prefill(nemotron(QuantMode::W4A16), t, 4000 + t as u64, false);
+    }
+    check_prefill(nemotron(W4A4), 4096, 4100, false);
+    check_prefill(nemotron(QuantMode::W4A16), 4096, 4200, true);
+}
+
+#[test]
+fn prefill_gated_widths_and_modes() {
+    if !common::gpu_available() {
+        return;
+    }
+    let dynamic = QuantMode::W4A4 {
+        intermediate: Intermediate::Dynamic,
+    };
+    for (act, quant, t) in [
+        (Activation::Silu, QuantMode::W4A16, 1024),
+        (Activation::GeluTanh, dynamic, 1024),
+        (Activation::Silu, W4A4, 4096),
+        (Activation::SiluNoMul, QuantMode::W4A16, 1024),
+    ] {
+        check_prefill(
+            spec(2880, 1856, 16, 4, act, quant),
+            t,
+            5000 + t as u64,
+            true,
+        );
+    }
+    // Qwen3-30B-A3B shape (gated, 128 experts, top-8).
+    check_prefill(
+        spec(2048, 768, 128, 8, Activation::Silu, QuantMode::W4A16),
+        4096,
+        5100,
+        false,
+    );
+}
+
+#[test]
+fn prefill_small_batches_empty_experts_top1() {
+    if !common::gpu_available() {
+        return;
+    }
+    // Forced prefill where most experts get no token and tiles hold a handful of tokens.
+    for t in [1, 7, 64, 300] {
+        check_prefill(
+            spec(2688, 1856, 128, 6, Activation::Relu2NoMul, QuantMode::W4A16),
+            t,
+            6000 + t as u64,
+            false,
+        );
+    }
+    check_prefill(
+        spec(256, 128, 512, 1, Activation::SiluNoMul, W4A4),
+        300,
+        6500,
+        false,
+    );
+    check_prefill(
+        spec(256, 128, 512, 8, Activation::Silu, QuantMode::W4A16),
+        2048,
+        6600,
+        true,
+    );
+}
+
+#[test]
+fn prefill_golden_cases() {
+    if !common::gpu_available() {
+        return;
+    }
+    for path in common::moe_cases() {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let lf = layer_file::read(&path).unwrap();
+        let logits = lf
+            .router_logits
+            .clone()
+            .expect("golden case has router logits");
+        let mut layer = CudaLayer::new(&lf.spec, &lf.weights).unwrap();
+        layer.set_gemm_path(Some(GemmPath::Prefill));
+        let (out, ids) = run_device(&layer, &lf.x, &logits);
+        assert_eq!(
+            Some(&ids),
+            lf.expected.topk_ids.as_ref(),
+            "{name}: routing ids"
+        );
+        let err = relative_l2(&out, lf.expected.output.as_ref().unwrap());
+        println!("{name} on the prefill path: relative error {err:.3e}");
+        assert!(
+            err <= 1e-2,
+            "{name}: relative error {err:e} on the prefill path"
+        );
+    }
+}
+
+#[test]
+fn router_logits_on_device_match_the_cpu() {
+    if !common::gpu_available() {
+        return;
+    }
+    // Below and above the tiled kernel's threshold, E not a multiple of its 64-expert tile.
+    let s = spec(2688, 128, 96, 6, Activation::Relu2NoMul, QuantMode::W4A16);
+    let w = random_weights(&s, 21).unwrap();
+    let layer = CudaLayer::new(&s, &w).unwrap();
+    let st = layer.stream().clone();
+    for tokens in [5, 300] {
+        let x = random_tokens(tokens, 2688, 22 + tokens as u64);
+        let mut ws = layer.workspace(tokens).unwrap();
+        st.memcpy_htod(&x, &mut ws.x).unwrap();
+        layer.forward_device(&mut ws, None).unwrap();
+        let got = st.clone_dtoh(&ws.logits).unwrap();
+        let want = router_logits(&x, w.router.as_ref().unwrap(), 2688, 96);
+        let err = relative_l2(&got[..want.len()], &want);
+        println!("router logits T{tokens}: rel err {err:.3e}");
+        assert!(
+            err < 1e-5,
+            "router logits T{tokens}: relative error {err:e}"
+        );
+    }
+}
+
 #[test]
 fn graph_capture_replays_the_layer() {
     if !common::gpu_available() {
         return;
     }
+    for path in [GemmPath::Decode, GemmPath::Prefill] {
+        graph_capture(path);
+    }
+}
+
+fn graph_capture(path: GemmPath) {
     let s = spec(512, 256, 32, 4, Activation::Silu, QuantMode::W4A16);
     let tokens = 24;
     let w = random_weights(&s, 9).unwrap();
-    let layer = CudaLayer::new(&s, &w).unwrap();
+    let mut layer = CudaLayer::new(&s, &w).unwrap();
+    layer.set_gemm_path(Some(path));
     let st = layer.stream().clone();
     let mut ws = layer.workspace(tokens).unwrap();
     let x1 = random_tokens(tokens, 512, 10);

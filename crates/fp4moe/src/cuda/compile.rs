@@ -12,11 +12,18 @@ use std::ffi::{CStr, CString};
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 
-/// The shared header every kernel file includes.
-pub const COMMON: (&str, &str) = ("common.cuh", include_str!("../../kernels/common.cuh"));
+/// The shared headers kernel files include: conversions and MMA wrappers, and the expert-GEMM
+/// parameters, dequantization and epilogues both GEMM paths use.
+pub const HEADERS: [(&str, &str); 2] = [
+    ("common.cuh", include_str!("../../kernels/common.cuh")),
+    (
+        "gemm_common.cuh",
+        include_str!("../../kernels/gemm_common.cuh"),
+    ),
+];
 
 /// Kernel files, one pipeline stage each.
-pub const SOURCES: [(&str, &str); 5] = [
+pub const SOURCES: [(&str, &str); 6] = [
     ("routing.cu", include_str!("../../kernels/routing.cu")),
     ("sort_pairs.cu", include_str!("../../kernels/sort_pairs.cu")),
     (
@@ -27,6 +34,10 @@ pub const SOURCES: [(&str, &str); 5] = [
         "expert_gemm.cu",
         include_str!("../../kernels/expert_gemm.cu"),
     ),
+    (
+        "prefill_gemm.cu",
+        include_str!("../../kernels/prefill_gemm.cu"),
+    ),
     ("combine.cu", include_str!("../../kernels/combine.cu")),
 ];
 
@@ -34,10 +45,21 @@ pub const SOURCES: [(&str, &str); 5] = [
 /// stage, block shape and token-tile count).
 pub fn kernel_names(file: &str) -> Vec<String> {
     let fixed: &[&str] = match file {
-        "routing.cu" => &["router_logits", "route_topk"],
-        "sort_pairs.cu" => &["sort_pairs", "shared_meta"],
+        "routing.cu" => &["router_logits", "router_logits_tiled", "route_topk"],
+        "sort_pairs.cu" => &[
+            "sort_pairs",
+            "count_pairs",
+            "scan_pair_counts",
+            "place_pairs",
+            "shared_meta",
+        ],
         "prepare_input.cu" => &["prepare_input"],
         "combine.cu" => &["combine"],
+        "prefill_gemm.cu" => &[
+            "prefill_gemm1_gated",
+            "prefill_gemm1_plain",
+            "prefill_gemm2",
+        ],
         _ => &[],
     };
     let mut names: Vec<String> = fixed.iter().map(|s| s.to_string()).collect();
@@ -160,7 +182,7 @@ pub fn compile(file: &str, source: &str, arch: &str) -> Result<Compiled, Compile
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (
         source,
-        COMMON.1,
+        HEADERS,
         &opts[..opts.len() - 1],
         version,
         arch,
@@ -217,10 +239,18 @@ fn check(r: sys::nvrtcResult, what: &str) -> Result<(), String> {
 fn nvrtc_cubin(file: &str, source: &str, opts: &[String]) -> Result<(Vec<u8>, String), String> {
     let src = CString::new(source).map_err(|e| e.to_string())?;
     let name = CString::new(file).map_err(|e| e.to_string())?;
-    let hdr_src = CString::new(COMMON.1).map_err(|e| e.to_string())?;
-    let hdr_name = CString::new(COMMON.0).map_err(|e| e.to_string())?;
-    let headers = [hdr_src.as_ptr()];
-    let include_names = [hdr_name.as_ptr()];
+    let hdr_src: Vec<CString> = HEADERS
+        .iter()
+        .map(|(_, text)| CString::new(*text))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    let hdr_name: Vec<CString> = HEADERS
+        .iter()
+        .map(|(name, _)| CString::new(*name))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    let headers: Vec<*const std::ffi::c_char> = hdr_src.iter().map(|c| c.as_ptr()).collect();
+    let include_names: Vec<*const std::ffi::c_char> = hdr_name.iter().map(|c| c.as_ptr()).collect();
     let c_opts: Vec<CString> = opts
         .iter()
         .map(|o| CString::new(o.as_str()))
@@ -228,14 +258,15 @@ fn nvrtc_cubin(file: &str, source: &str, opts: &[String]) -> Result<(Vec<u8>, St
         .map_err(|e| e.to_string())?;
     let opt_ptrs: Vec<*const std::ffi::c_char> = c_opts.iter().map(|o| o.as_ptr()).collect();
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
-    // SAFETY: every pointer refers to a NUL-terminated string that outlives the call; one header.
+    // SAFETY: every pointer refers to a NUL-terminated string that outlives the call; the header
+    // arrays both hold `HEADERS.len()` entries.
     check(
         unsafe {
             sys::nvrtcCreateProgram(
                 &mut prog,
                 src.as_ptr(),
                 name.as_ptr(),
-                1,
+                headers.len() as i32,
                 headers.as_ptr(),
                 include_names.as_ptr(),
             )
@@ -347,7 +378,9 @@ mod tests {
                     .unwrap_or(n);
                 assert!(src.contains(base), "{file} lacks {n}");
             }
-            if file != "expert_gemm.cu" {
+            if file == "prefill_gemm.cu" {
+                assert_eq!(src.matches("\nPREFILL(").count(), names.len(), "{file}");
+            } else if file != "expert_gemm.cu" {
                 assert_eq!(
                     src.matches("extern \"C\" __global__").count(),
                     names.len(),

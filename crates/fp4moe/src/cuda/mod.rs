@@ -100,7 +100,12 @@ fn open_device() -> std::result::Result<Device, String> {
     Ok(Device {
         max_shared_bytes,
         name: ctx.name().unwrap_or_else(|_| "unknown".into()),
-        arch: arch_for(cc),
+        // FP4MOE_CUDA_ARCH (e.g. `sm_90` on a Hopper part: no wgmma, the mma.sync prefill
+        // kernels) is a testing knob; the default is the device's own architecture.
+        arch: std::env::var("FP4MOE_CUDA_ARCH")
+            .ok()
+            .filter(|a| a.starts_with("sm_"))
+            .unwrap_or_else(|| arch_for(cc)),
         compute_capability: cc,
         ctx,
         stream,
@@ -275,6 +280,8 @@ pub struct CudaWorkspace {
     xs: CudaSlice<u16>,
     offsets: CudaSlice<i32>,
     sorted: CudaSlice<i32>,
+    /// Per-chunk expert counts, then bases, of the multi-block pair sort.
+    chunk_counts: CudaSlice<i32>,
     active: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     g: CudaSlice<u16>,
@@ -305,6 +312,7 @@ pub struct CudaLayer {
     bias: Option<CudaSlice<f32>>,
     gs1: Option<f32>,
     gs2: Option<f32>,
+    gemm_path: Option<GemmPath>,
 }
 
 /// Largest counts the kernels handle (shared-memory tables of `sort_pairs` and `route_topk`).
@@ -357,8 +365,50 @@ impl GemmShape {
     }
 }
 
-/// Dynamic shared memory of a GEMM block: two lookup tables, then `8·nsub` activation rows,
-/// reused afterwards for the split-K partial sums (whichever is larger).
+/// Pairs per chunk of the multi-block pair sort.
+const SORT_CHUNK: usize = 2048;
+
+/// Token count from which router logits come from the tiled kernel.
+const ROUTER_TILED_FROM: usize = 32;
+
+/// Which expert-GEMM kernels run a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPath {
+    /// `expert_gemm.cu`: split-K mma.sync streaming, for few tokens per expert.
+    Decode,
+    /// `prefill_gemm.cu`: 256-row x 128-token tensor-core tiles (wgmma on sm_90a).
+    Prefill,
+}
+
+/// Mean tokens per expert from which the prefill kernels take over (measured crossover,
+/// docs/KERNEL_NOTES.md).
+pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 16;
+
+/// Dynamic shared memory of a prefill block (`prefill_gemm.cu`: 1 KB of row table, then 5 ring
+/// stages of 16 KB activations + 9 KB weights).
+pub const PREFILL_SMEM: usize = 1024 + 5 * (128 * 128 + 16 * 512 + 16 * 64);
+
+impl GemmPath {
+    /// Prefill when the mean tokens per expert (`pairs / experts`) reach
+    /// [`PREFILL_MIN_TOKENS_PER_EXPERT`] and the device has the shared memory (sm_80/90; not the
+    /// 99 KB parts); `FP4MOE_GEMM_PATH=decode|prefill` overrides the choice (a benchmark knob;
+    /// prefill still needs the shared memory).
+    pub fn choose(pairs: usize, experts: usize, max_shared_bytes: usize) -> Self {
+        if PREFILL_SMEM > max_shared_bytes {
+            return GemmPath::Decode;
+        }
+        let per_expert = pairs / experts.max(1);
+        match std::env::var("FP4MOE_GEMM_PATH").as_deref() {
+            Ok("decode") => GemmPath::Decode,
+            Ok("prefill") => GemmPath::Prefill,
+            _ if per_expert >= PREFILL_MIN_TOKENS_PER_EXPERT => GemmPath::Prefill,
+            _ => GemmPath::Decode,
+        }
+    }
+}
+
+/// Dynamic shared memory of a decode GEMM block: two lookup tables, then `8·nsub` activation
+/// rows, reused afterwards for the split-K partial sums (whichever is larger).
 fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
     let act = 8 * nsub * (pack::padded_k(k) + 8) * 2;
     let rgpb = shape.rgpb(nsub);
@@ -403,7 +453,19 @@ impl CudaLayer {
                 .transpose()?,
             gs1,
             gs2,
+            gemm_path: None,
         })
+    }
+
+    /// Forces the expert-GEMM path of later forwards (`None`: chosen per call, see
+    /// [`GemmPath::choose`]). The prefill path still falls back to decode kernels where the
+    /// device lacks its shared memory or the weights are bf16.
+    pub fn set_gemm_path(&mut self, path: Option<GemmPath>) {
+        self.gemm_path = path;
+    }
+
+    pub fn spec(&self) -> &MoeSpec {
+        &self.spec
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -429,6 +491,7 @@ impl CudaLayer {
             + 2 * p
             + 2 * (e + 1)
             + p
+            + p.div_ceil(SORT_CHUNK) * e
             + 2
             + tokens
             + p * h
@@ -473,6 +536,7 @@ impl CudaLayer {
             xs: b16(if has_shared { tokens * h } else { 0 })?,
             offsets: i32s(e + 1)?,
             sorted: i32s(p)?,
+            chunk_counts: i32s(p.div_ceil(SORT_CHUNK) * e)?,
             active: i32s(e)?,
             num_active: i32s(1)?,
             g: b16(p * i)?,
@@ -529,15 +593,28 @@ impl CudaLayer {
                         "the layer has no router weight: pass router logits",
                     )
                 })?;
-                let warps = (t * e) as u32;
-                let cfg = LaunchConfig {
-                    grid_dim: (warps.div_ceil(8), 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
+                // A warp per logit keeps the latency low for a few tokens; from
+                // ROUTER_TILED_FROM tokens the shared-memory tiled kernel reads x and the
+                // router weight 64 times less often.
+                let (name, cfg) = if ws.tokens >= ROUTER_TILED_FROM {
+                    let cfg = LaunchConfig {
+                        grid_dim: ((t as u32).div_ceil(64), (e as u32).div_ceil(64), 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    ("router_logits_tiled", cfg)
+                } else {
+                    let warps = (t * e) as u32;
+                    let cfg = LaunchConfig {
+                        grid_dim: (warps.div_ceil(8), 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    ("router_logits", cfg)
                 };
                 let (x, l) = (ptr(&ws.x, st), ptr(&ws.logits, st));
                 let rp = ptr(router, st);
-                self.launch("router_logits", cfg, |b| {
+                self.launch(name, cfg, |b| {
                     b.arg(&x).arg(&rp).arg(&l).arg(&t).arg(&h).arg(&e);
                 })?;
                 l
@@ -629,6 +706,137 @@ impl CudaLayer {
         })
     }
 
+    fn path_for(&self, pairs: usize, experts: usize) -> GemmPath {
+        match self.gemm_path {
+            Some(GemmPath::Prefill) if PREFILL_SMEM <= self.dev.max_shared_bytes => {
+                GemmPath::Prefill
+            }
+            Some(_) => GemmPath::Decode,
+            None => GemmPath::choose(pairs, experts, self.dev.max_shared_bytes),
+        }
+    }
+
+    /// One prefill GEMM (`prefill_gemm.cu`): grid x over 256-weight-row tiles (128 rows of g
+    /// when gated), grid y over an upper bound of the (expert, 128-token) tiles of `pairs`
+    /// pairs spread over at most `slots` experts.
+    fn prefill_gemm(
+        &self,
+        name: &str,
+        params: GemmParams,
+        rg_out: usize,
+        pairs: usize,
+        slots: usize,
+    ) -> Result<()> {
+        let rows_per_block = if name.ends_with("gated") { 8 } else { 16 };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                rg_out.div_ceil(rows_per_block) as u32,
+                (pairs.div_ceil(128) + slots) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: PREFILL_SMEM as u32,
+        };
+        self.launch(name, cfg, |b| {
+            b.arg(&params);
+        })
+    }
+
+    /// GEMM1 then GEMM2 of one projection pair through the path `path` (bf16 weights always
+    /// take the decode kernels).
+    #[allow(clippy::too_many_arguments)]
+    fn expert_gemms(
+        &self,
+        path: GemmPath,
+        w13: &DeviceProjection,
+        w2: &DeviceProjection,
+        p1: GemmParams,
+        p2: GemmParams,
+        pairs: usize,
+        slots: usize,
+        tokens: usize,
+    ) -> Result<()> {
+        let gated = self.spec.activation.is_gated();
+        let kind = |proj: &DeviceProjection| if proj.nvfp4 { "nvfp4" } else { "bf16" };
+        let (rg1, rg2) = (p1.rg_out as usize, p2.rg_out as usize);
+        if path == GemmPath::Prefill && w13.nvfp4 {
+            let name = if gated {
+                "prefill_gemm1_gated"
+            } else {
+                "prefill_gemm1_plain"
+            };
+            self.prefill_gemm(name, p1, rg1, pairs, slots)?;
+        } else {
+            let name = format!(
+                "gemm1_{}_{}",
+                kind(w13),
+                if gated { "gated" } else { "plain" }
+            );
+            self.gemm(&name, w13, p1, rg1, slots, tokens)?;
+        }
+        if path == GemmPath::Prefill && w2.nvfp4 {
+            self.prefill_gemm("prefill_gemm2", p2, rg2, pairs, slots)
+        } else {
+            self.gemm(&format!("gemm2_{}", kind(w2)), w2, p2, rg2, slots, tokens)
+        }
+    }
+
+    /// Groups the `pairs` routed pairs of `ws.ids` by expert (`sort_pairs.cu`): one block up to
+    /// `2·SORT_CHUNK` pairs, else count / scan / place over `SORT_CHUNK`-pair chunks.
+    fn sort_pairs(&self, ws: &CudaWorkspace, pairs: i32, experts: i32) -> Result<()> {
+        let st = &self.dev.stream;
+        let (ids, off, sorted, active, num) = (
+            ptr(&ws.ids, st),
+            ptr(&ws.offsets, st),
+            ptr(&ws.sorted, st),
+            ptr(&ws.active, st),
+            ptr(&ws.num_active, st),
+        );
+        let block = |grid: usize, smem: usize| LaunchConfig {
+            grid_dim: (grid as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: (4 * smem) as u32,
+        };
+        let e = experts as usize;
+        if pairs as usize <= 2 * SORT_CHUNK {
+            return self.launch("sort_pairs", block(1, 33 * e), |b| {
+                b.arg(&ids)
+                    .arg(&pairs)
+                    .arg(&experts)
+                    .arg(&off)
+                    .arg(&sorted)
+                    .arg(&active)
+                    .arg(&num);
+            });
+        }
+        let chunks = (pairs as usize).div_ceil(SORT_CHUNK);
+        let (chunk, nchunks) = (SORT_CHUNK as i32, chunks as i32);
+        let counts = ptr(&ws.chunk_counts, st);
+        self.launch("count_pairs", block(chunks, 32 * e), |b| {
+            b.arg(&ids)
+                .arg(&pairs)
+                .arg(&experts)
+                .arg(&chunk)
+                .arg(&counts);
+        })?;
+        self.launch("scan_pair_counts", block(1, e), |b| {
+            b.arg(&counts)
+                .arg(&nchunks)
+                .arg(&experts)
+                .arg(&off)
+                .arg(&active)
+                .arg(&num);
+        })?;
+        self.launch("place_pairs", block(chunks, 32 * e), |b| {
+            b.arg(&ids)
+                .arg(&pairs)
+                .arg(&experts)
+                .arg(&chunk)
+                .arg(&counts)
+                .arg(&sorted);
+        })
+    }
+
     /// The experts for the routing in `ws.ids` / `ws.weights`: `ws.out = Σ w · expert(x) + shared(x)`.
     pub fn experts_device(&self, ws: &mut CudaWorkspace) -> Result<()> {
         let st = &self.dev.stream;
@@ -642,34 +850,19 @@ impl CudaLayer {
         );
         let p = t * k;
         let act = s.activation;
-        let gated = act.is_gated();
         let act_id = crate::spec::Activation::ALL
             .iter()
             .position(|a| *a == act)
             .unwrap_or(0) as i32;
 
         let (pairs, experts) = (p as i32, e as i32);
-        let (ids, off, sorted, active, num) = (
-            ptr(&ws.ids, st),
+        let (off, sorted, active, num) = (
             ptr(&ws.offsets, st),
             ptr(&ws.sorted, st),
             ptr(&ws.active, st),
             ptr(&ws.num_active, st),
         );
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 4 * 33 * e as u32,
-        };
-        self.launch("sort_pairs", cfg, |b| {
-            b.arg(&ids)
-                .arg(&pairs)
-                .arg(&experts)
-                .arg(&off)
-                .arg(&sorted)
-                .arg(&active)
-                .arg(&num);
-        })?;
+        self.sort_pairs(ws, pairs, experts)?;
 
         let (x, a) = (ptr(&ws.x, st), ptr(&ws.a, st));
         let xs = if self.shared.is_some() {
@@ -689,15 +882,8 @@ impl CudaLayer {
         })?;
 
         let slots = p.min(e);
+        let path = self.path_for(p, e);
         let (g, o, tw) = (ptr(&ws.g, st), ptr(&ws.o, st), ptr(&ws.weights, st));
-        let kind = |proj: &DeviceProjection| if proj.nvfp4 { "nvfp4" } else { "bf16" };
-        let gemm1_name = |proj: &DeviceProjection| {
-            format!(
-                "gemm1_{}_{}",
-                kind(proj),
-                if gated { "gated" } else { "plain" }
-            )
-        };
         let base = |proj: &DeviceProjection| GemmParams {
             wdata: ptr(&proj.data, st),
             wscales: ptr(&proj.scales, st),
@@ -723,7 +909,6 @@ impl CudaLayer {
             gs_out: self.gs2.unwrap_or(0.0),
             ..base(&self.w13)
         };
-        self.gemm(&gemm1_name(&self.w13), &self.w13, p1, i / 16, slots, t)?;
         let p2 = GemmParams {
             act: g,
             offsets: off,
@@ -738,14 +923,7 @@ impl CudaLayer {
             act_alpha: self.gs2.map_or(1.0, |gs| 1.0 / gs),
             ..base(&self.w2)
         };
-        self.gemm(
-            &format!("gemm2_{}", kind(&self.w2)),
-            &self.w2,
-            p2,
-            h / 16,
-            slots,
-            t,
-        )?;
+        self.expert_gemms(path, &self.w13, &self.w2, p1, p2, p, slots, t)?;
 
         let mut sh_o = 0u64;
         if let Some((s13, s2)) = &self.shared {
@@ -782,7 +960,6 @@ impl CudaLayer {
                 gs_out: 0.0,
                 ..base(s13)
             };
-            self.gemm(&gemm1_name(s13), s13, q1, width / 16, 1, t)?;
             let q2 = GemmParams {
                 act: sg,
                 offsets: so,
@@ -797,7 +974,8 @@ impl CudaLayer {
                 act_alpha: 1.0,
                 ..base(s2)
             };
-            self.gemm(&format!("gemm2_{}", kind(s2)), s2, q2, h / 16, 1, t)?;
+            let path = self.path_for(t, 1);
+            self.expert_gemms(path, s13, s2, q1, q2, t, 1, t)?;
         }
 
         let y = ptr(&ws.out, st);

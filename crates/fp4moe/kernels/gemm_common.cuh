@@ -1,0 +1,140 @@
+// What both expert-GEMM paths (expert_gemm.cu for decode, prefill_gemm.cu for prefill) share:
+// the parameter block, the exact NVFP4 → bf16 fragment dequantization and the epilogues.
+//
+//   GEMM1: h = a · deq(w13_e)^T · alpha,   alpha = scale_2(shard) · act_alpha (1/gs1 in W4A4)
+//          g = act(h_gate, h_up) (gated) or act(h) (non-gated; ReLU²: alpha before squaring);
+//          W4A4: g goes through the NVFP4 QDQ of DESIGN 1.2 with global scale gs_out, its 16-blocks
+//          being the 16 rows of one warp's row group, and is stored as the exact bf16 e2m1 · S.
+//   GEMM2: o[pair] = g · deq(w2_e)^T · alpha · router weight (rsf included).
+//
+// Accumulator fragments (both paths): acc[s][c] holds rows 16·rg + g (c = 0, 1) and g + 8 (c = 2, 3)
+// of column (token) 8s + 2q + (c & 1) of the tile, g = lane / 4, q = lane % 4: the mma.sync D
+// fragment of column tile s, which is also what wgmma.m64nN leaves in each warp.
+#pragma once
+#include "common.cuh"
+
+struct GemmParams {
+    const u8* wdata;
+    const u8* wscales;
+    const float* wscale2;
+    const __nv_bfloat16* act;
+    const int* offsets;
+    const int* sorted;
+    const int* active;
+    const int* num_active;
+    __nv_bfloat16* g_out;
+    const float* topk_w;
+    float* o_out;
+    int rg_out;      // output row groups: I/16 (GEMM1) or H/16 (GEMM2)
+    int rg_w;        // weight row groups per expert
+    int kg;          // 64-wide k groups (padded K / 64)
+    int k;           // valid K (also the row stride of `act`)
+    int shards;      // scale_2 values per expert
+    int top_k;       // > 0: activation row = sorted pair / top_k (GEMM1); 0: row = sorted position
+    int activation;
+    int out_stride;  // row length of g_out / o_out
+    float act_alpha;
+    float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
+};
+
+// Exact NVFP4 → bf16 dequantization in registers, without tables (shared-memory lookups cost
+// bank cycles the tensor cores and the activation staging need). An E2M1 code s·e1e0m placed in bf16 bits 15 and 8..6 reads
+// as its value times 2^-126 (bf16 subnormal for code 1, which bf16 arithmetic keeps); the block
+// scale enters as S' = S · 2^118, so each product is e2m1 · S · 2^-8, exact and normal in bf16.
+// The epilogue multiplies by NVFP4_DEQ_UNSCALE = 2^8 (a power of two: the f32 sums are the same
+// bits scaled, so results equal the unscaled ones exactly).
+#define NVFP4_DEQ_UNSCALE 256.0f
+
+// bf16x2 of the two codes of byte i of w (low nibble in the low half), times 2^-126; w4 = w >> 4.
+__device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 w, u32 w4, int i) {
+    // byte 1 of r = byte i of w (low code at bits 8..11), byte 3 = byte i of w4 (high code at 24..27).
+    u32 r = __byte_perm(w, w4, 0x4400u + 0x1111u * (u32)i);
+    return ((r >> 2) & 0x01C001C0u) | ((r << 4) & 0x80008000u);
+}
+
+// S' = S · 2^118 as bf16x2 for scale bytes 2h and 2h + 1 of `b` (E4M3, sign bit clear), the
+// first in the low half. E4M3 → f16 is exact in hardware; f16 → bf16 keeps the 3-bit mantissa
+// and moves the exponent by 230 (= 127 − 15 + 118); zero stays zero.
+__device__ __forceinline__ u32 scales_to_bf16x2(u32 b, int h) {
+    __half2_raw f = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(b >> (16 * h)), __NV_E4M3);
+    u32 v = (u32)f.x | ((u32)f.y << 16);
+    u32 nonzero = (((v & 0x7FFF7FFFu) + 0x7FFF7FFFu) >> 15) & 0x00010001u;
+    return ((v >> 3) & 0x1FFF1FFFu) + nonzero * 0x7300u;
+}
+
+// One mma A fragment (16 rows x 16 k, k block j of its 64-wide group) times 2^-8: `word` is the
+// lane's packed word for block j (see cuda/pack.rs), scg / scg8 = scales_to_bf16x2(row g's /
+// row g+8's scale bytes, j / 2).
+__device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 scg, u32 scg8, int j, u32 a[4]) {
+    // (S'(j), S'(j)): half j % 2, duplicated.
+    const u32 sel = (j & 1) ? 0x3232u : 0x1010u;
+    __nv_bfloat162 s0 = bits_bf16x2(__byte_perm(scg, 0, sel));
+    __nv_bfloat162 s1 = bits_bf16x2(__byte_perm(scg8, 0, sel));
+    u32 w4 = word >> 4;
+    a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(word, w4, 0)), s0));
+    a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(word, w4, 1)), s1));
+    a[2] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(word, w4, 2)), s0));
+    a[3] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(word, w4, 3)), s1));
+}
+
+// GEMM1 epilogue of one warp: row group rg of expert e (gated: acc = gate, accu = up rows), the
+// tile's first token t0 of the expert's n_e, column tiles s < nsub_valid.
+// `unscale`: 1, or NVFP4_DEQ_UNSCALE after dequant_fragment_alu.
+template <int NSUB, bool GATED>
+__device__ __forceinline__ void store_gemm1(const GemmParams& p, const float (&acc)[NSUB][4],
+                                            const float (&accu)[NSUB][4], int e, int base, int n_e,
+                                            int t0, int rg, int nsub_valid, float unscale) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    float alpha_g = p.wscale2[e * p.shards] * p.act_alpha * unscale;
+    float alpha_u = GATED ? p.wscale2[e * p.shards + 1] * p.act_alpha * unscale : 0.0f;
+#pragma unroll
+    for (int s = 0; s < NSUB; s++) {
+        if (s >= nsub_valid) continue;  // warp-uniform
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            float v0 = apply_activation(p.activation, acc[s][c] * alpha_g, GATED ? accu[s][c] * alpha_u : 0.0f);
+            float v1 = apply_activation(p.activation, acc[s][2 + c] * alpha_g, GATED ? accu[s][2 + c] * alpha_u : 0.0f);
+            if (p.gs_out > 0.0f) {
+                float vmax = fmaxf(fabsf(v0), fabsf(v1));
+                vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 4));
+                vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 8));
+                vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 16));
+                u8 sb;
+                float sf = nvfp4_block_scale(vmax, p.gs_out, &sb);
+                float os = nvfp4_out_scale(sf, p.gs_out);
+                u32 c0 = nvfp4_code(v0, os), c1 = nvfp4_code(v1, os);
+                v0 = (c0 & 7) ? e2m1_value(c0) * sf : 0.0f;
+                v1 = (c1 & 7) ? e2m1_value(c1) * sf : 0.0f;
+            }
+            int lt = t0 + s * 8 + 2 * q + c;
+            if (lt < n_e) {
+                __nv_bfloat16* out = p.g_out + (size_t)(base + lt) * p.out_stride + rg * 16 + g;
+                out[0] = __float2bfloat16_rn(v0);
+                out[8] = __float2bfloat16_rn(v1);
+            }
+        }
+    }
+}
+
+// GEMM2 epilogue of one warp: o[pair, 16·rg + {g, g+8}] = acc · alpha · router weight.
+template <int NSUB>
+__device__ __forceinline__ void store_gemm2(const GemmParams& p, const float (&acc)[NSUB][4], int e,
+                                            int base, int n_e, int t0, int rg, int nsub_valid,
+                                            float unscale) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    float alpha = p.wscale2[e * p.shards] * p.act_alpha * unscale;
+#pragma unroll
+    for (int s = 0; s < NSUB; s++) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            int lt = t0 + s * 8 + 2 * q + c;
+            if (s < nsub_valid && lt < n_e) {
+                int pair = p.sorted[base + lt];
+                float w = p.topk_w[pair] * alpha;
+                float* out = p.o_out + (size_t)pair * p.out_stride + rg * 16 + g;
+                out[0] = acc[s][c] * w;
+                out[8] = acc[s][2 + c] * w;
+            }
+        }
+    }
+}

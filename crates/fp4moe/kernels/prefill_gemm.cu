@@ -1,0 +1,348 @@
+// Expert GEMMs of the prefill path (tens to thousands of tokens per expert) on tensor-core tiles.
+// Formulas and epilogues are gemm_common.cuh's, the packed NVFP4 weight layout expert_gemm.cu's.
+//
+// Tile: a block of two warpgroups owns 256 weight rows x up to PF_NT = 128 tokens of one expert.
+// Warp w (warpgroup w / 4, index w % 4 in it) computes two 16-row groups (halves h = 0, 1):
+// gated, a g row group's gate rows (h = 0) and its up rows (h = 1, I/16 row groups further), so
+// a block covers 128 rows of g; non-gated, row groups 16·bx + 8·(w / 4) + 4·h + w % 4, 256
+// output rows. Every 64-wide k chunk goes through a PF_STAGES-deep cp.async ring in shared
+// memory: the 16 row groups' packed NVFP4 data (512 bytes each, the mma A fragments, see
+// expert_gemm.cu) and scales (64 bytes each), and the tile's activation rows (gathered through
+// the sorted pairs) in the no-swizzle K-major core-matrix layout wgmma reads B from:
+//     byte (n, k) of the B part = (n / 8)·1024 + (k / 8)·128 + (n % 8)·16 + (k % 8)·2
+// (LBO, the next 8 k, = 128 bytes; SBO, the next 8 tokens, = 1024 bytes). Copy i of a round
+// writes bytes 16i..16i+15, so the ring fills without bank conflicts. Each warp reads its two
+// fragments back (one 16-byte load per lane each) and dequantizes them in registers without
+// tables (dequant_fragment_alu: products carry 2^-8, undone in the epilogue).
+//
+// sm_90a: per 16 k, one wgmma.m64nNk16 (A from registers, N = 64 or 128) per half, committed
+// together; the next fragments are dequantized while they run (wait_group 1, A double
+// buffered). No wgmma sits in a branch (ptxas would serialize them): row groups past the
+// matrix are zero-filled and computed, not skipped. Other archs: mma.sync m16n8k16 over N/8
+// column tiles of the same shared layout. Both leave the accumulators in the fragment order the
+// epilogues expect.
+//
+// Ring hazards: chunk c + D (D = PF_STAGES - 2) is copied into the stage of chunk c - 2 right
+// after the barrier of chunk c, when every warpgroup has retired chunk c - 2's MMAs
+// (wait_group 1 at chunk c - 1).
+//
+// Work: blockIdx.x = row tile, blockIdx.y = the y-th (expert, 128-token tile) in active-expert
+// order; blocks past the last tile exit. An expert's last tile runs N = 64 when it holds at most
+// 64 tokens. Each output is summed by one thread in a fixed order: results are deterministic.
+#include "gemm_common.cuh"
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PF_WGMMA 1
+#else
+#define PF_WGMMA 0
+#endif
+
+#define PF_THREADS 256
+#define PF_NT 128
+#define PF_STAGES 5
+#define PF_AHEAD (PF_STAGES - 2)
+#define PF_B_BYTES (PF_NT * 128)
+#define PF_W_BYTES (16 * 512)
+#define PF_S_BYTES (16 * 64)
+#define PF_STAGE_BYTES (PF_B_BYTES + PF_W_BYTES + PF_S_BYTES)
+#define PF_RING_OFFSET 1024  // below it: the row table and the tile
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+#if PF_WGMMA
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Makes the generic-proxy (cp.async) writes of this thread visible to wgmma's async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Keeps the compiler from touching the accumulators across the asynchronous MMAs.
+template <int NSUB>
+__device__ __forceinline__ void fence_acc(float (&d)[NSUB][4]) {
+#pragma unroll
+    for (int s = 0; s < NSUB; s++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) asm volatile("" : "+f"(d[s][c])::"memory");
+}
+
+// Shared-memory matrix descriptor of a no-swizzle K-major B tile at `p` (LBO 128, SBO 1024).
+__device__ __forceinline__ u64 smem_desc(const void* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    return (u64)((a >> 4) & 0x3FFF) | ((u64)(128 >> 4) << 16) | ((u64)(1024 >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const u32 a[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const u32 a[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+#endif  // PF_WGMMA
+
+// mma.sync version of one 16-k step: acc[s] += A · B(column tile s) for s < nsub.
+template <int NSUB>
+__device__ __forceinline__ void mma_sync_k16(float (&acc)[NSUB][4], const u32 a[4], const unsigned char* stage, int j) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const unsigned char* b = stage + j * 256 + g * 16 + q * 4;
+#pragma unroll
+    for (int s = 0; s < NSUB; s++) {
+        u32 b0 = *reinterpret_cast<const u32*>(b + s * 1024);
+        u32 b1 = *reinterpret_cast<const u32*>(b + s * 1024 + 128);
+        mma_bf16_16816(acc[s], a, b0, b1);
+    }
+}
+
+// tile = {expert, first token} of this block's work item (expert -1: none), found by one warp
+// scanning the active experts' tile counts.
+__device__ __forceinline__ void find_tile(const GemmParams& p, int* tile) {
+    int lane = threadIdx.x & 31, target = blockIdx.y, na = p.num_active[0], run = 0;
+    if (lane == 0) tile[0] = -1;
+    __syncwarp();
+    for (int c = 0; c < na && run <= target; c += 32) {
+        int s = c + lane, cnt = 0, e = 0;
+        if (s < na) {
+            e = p.active[s];
+            cnt = (p.offsets[e + 1] - p.offsets[e] + PF_NT - 1) / PF_NT;
+        }
+        int incl = cnt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl += y;
+        }
+        int lo = run + incl - cnt;
+        if (cnt > 0 && target >= lo && target < lo + cnt) {
+            tile[0] = e;
+            tile[1] = (target - lo) * PF_NT;
+        }
+        run += __shfl_sync(FULL_MASK, incl, 31);
+    }
+}
+
+__device__ __forceinline__ u32 word_of(uint4 v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+// Global row group of ring slot `slot` (= 8·h + w) of block row tile `bx`; false past the matrix.
+template <bool GATED>
+__device__ __forceinline__ bool slot_row_group(const GemmParams& p, int slot, int bx, int* rg) {
+    int h = slot >> 3, w = slot & 7;
+    int out = GATED ? bx * 8 + w : bx * 16 + (w >> 2) * 8 + h * 4 + (w & 3);
+    *rg = (GATED && h == 1) ? out + p.rg_out : out;
+    return out < p.rg_out;
+}
+
+// One tile of NC (64 or 128) token columns: the k loop and the epilogue.
+template <bool GATED, int STAGE, int NC>
+__device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring, int e, int base,
+                                             int n_e, int t0, int nvalid) {
+    constexpr int NSUB = NC / 8;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    const u8* wdata_e = p.wdata + (size_t)e * p.rg_w * p.kg * 512;
+    const u8* wscales_e = p.wscales + (size_t)e * p.rg_w * p.kg * 64;
+
+    // Copies of a chunk: NC·8 activation pieces, then 16 x 32 data and 16 x 4 scale pieces of
+    // weights. Each thread's pieces are the same every chunk but for a k offset, so their
+    // sources are resolved once here (a chunk then costs an add and a cp.async per piece).
+    constexpr int A_COPIES = NC * 8 / PF_THREADS;
+    constexpr int W_PIECES = 16 * 36;
+    constexpr int W_COPIES = (W_PIECES + PF_THREADS - 1) / PF_THREADS;
+    const __nv_bfloat16* a_src[A_COPIES];
+    int a_col[A_COPIES];  // k of the piece in chunk 0; past K for padding columns
+#pragma unroll
+    for (int r = 0; r < A_COPIES; r++) {
+        int i = tid + r * PF_THREADS;
+        int n = ((i >> 6) << 3) | (i & 7), row = srow[n];
+        a_col[r] = row >= 0 ? ((i >> 3) & 7) * 8 : p.k;
+        a_src[r] = p.act + (size_t)max(row, 0) * p.k + ((i >> 3) & 7) * 8;
+    }
+    const u8* w_src[W_COPIES];
+    u32 w_dst[W_COPIES], w_step[W_COPIES];  // stage offset, source bytes per chunk (0: none)
+#pragma unroll
+    for (int r = 0; r < W_COPIES; r++) {
+        int i = tid + r * PF_THREADS, slot = i / 36, piece = i % 36, rg = 0;
+        bool ok = i < W_PIECES && slot_row_group<GATED>(p, slot, blockIdx.x, &rg);
+        if (piece < 32) {
+            w_src[r] = wdata_e + (size_t)rg * p.kg * 512 + piece * 16;
+            w_dst[r] = PF_B_BYTES + slot * 512 + piece * 16;
+            w_step[r] = ok ? 512 : 0;
+        } else {
+            w_src[r] = wscales_e + (size_t)rg * p.kg * 64 + (piece - 32) * 16;
+            w_dst[r] = PF_B_BYTES + PF_W_BYTES + slot * 64 + (piece - 32) * 16;
+            w_step[r] = ok ? 64 : 0;
+        }
+        if (i >= W_PIECES) w_dst[r] = 0xFFFFFFFFu;
+    }
+    auto stage_chunk = [&](int c) {
+        unsigned char* dst = ring + (c % PF_STAGES) * PF_STAGE_BYTES;
+#pragma unroll
+        for (int r = 0; r < A_COPIES; r++) {
+            bool ok = a_col[r] + c * 64 < p.k;
+            cp_async16(dst + (tid + r * PF_THREADS) * 16, ok ? a_src[r] + c * 64 : p.act, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int r = 0; r < W_COPIES; r++) {
+            if (w_dst[r] != 0xFFFFFFFFu)
+                cp_async16(dst + w_dst[r], w_step[r] ? w_src[r] + (size_t)c * w_step[r] : p.wdata, w_step[r] ? 16 : 0);
+        }
+    };
+
+    float acc0[NSUB][4], acc1[NSUB][4];
+#pragma unroll
+    for (int s = 0; s < NSUB; s++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) acc0[s][c] = acc1[s][c] = 0.0f;
+    u32 a0[2][4], a1[2][4];
+
+#pragma unroll
+    for (int c = 0; c < PF_AHEAD; c++) {
+        if (c < p.kg) stage_chunk(c);
+        cp_async_commit();
+    }
+    for (int c = 0; c < p.kg; c++) {
+        cp_async_wait<PF_AHEAD - 1>();  // chunk c has landed
+#if PF_WGMMA
+        fence_proxy_async();
+#endif
+        __syncthreads();
+        if (c + PF_AHEAD < p.kg) stage_chunk(c + PF_AHEAD);
+        cp_async_commit();  // possibly empty: one group per chunk
+        const unsigned char* stage = ring + (c % PF_STAGES) * PF_STAGE_BYTES;
+        const uint4 d0 = *reinterpret_cast<const uint4*>(stage + PF_B_BYTES + warp * 512 + lane * 16);
+        const uint4 d1 = *reinterpret_cast<const uint4*>(stage + PF_B_BYTES + (8 + warp) * 512 + lane * 16);
+        const uint2 s0 = *reinterpret_cast<const uint2*>(stage + PF_B_BYTES + PF_W_BYTES + warp * 64 + g * 8);
+        const uint2 s1 = *reinterpret_cast<const uint2*>(stage + PF_B_BYTES + PF_W_BYTES + (8 + warp) * 64 + g * 8);
+        u32 sc0[4], sc1[4];  // scales_to_bf16x2 of rows g (h = 0, 1) and g + 8 of both slots
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            sc0[h] = scales_to_bf16x2(s0.x, h);
+            sc0[2 + h] = scales_to_bf16x2(s0.y, h);
+            sc1[h] = scales_to_bf16x2(s1.x, h);
+            sc1[2 + h] = scales_to_bf16x2(s1.y, h);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32* x0 = a0[j & 1];
+            u32* x1 = a1[j & 1];
+            dequant_fragment_alu(word_of(d0, j), sc0[j >> 1], sc0[2 + (j >> 1)], j, x0);
+            dequant_fragment_alu(word_of(d1, j), sc1[j >> 1], sc1[2 + (j >> 1)], j, x1);
+#if PF_WGMMA
+            wgmma_fence();
+            u64 desc = smem_desc(stage + j * 256);
+            if constexpr (NC == 128) {
+                wgmma_m64n128k16_rs(acc0, x0, desc);
+                wgmma_m64n128k16_rs(acc1, x1, desc);
+            } else {
+                wgmma_m64n64k16_rs(acc0, x0, desc);
+                wgmma_m64n64k16_rs(acc1, x1, desc);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();
+#else
+            mma_sync_k16<NSUB>(acc0, x0, stage, j);
+            mma_sync_k16<NSUB>(acc1, x1, stage, j);
+#endif
+        }
+    }
+#if PF_WGMMA
+    wgmma_wait<0>();
+    fence_acc(acc0);
+    fence_acc(acc1);
+#endif
+
+    int r0, r1;
+    const bool v0 = slot_row_group<GATED>(p, warp, blockIdx.x, &r0);
+    const bool v1 = slot_row_group<GATED>(p, 8 + warp, blockIdx.x, &r1);
+    const int nsub_valid = (nvalid + 7) / 8;
+    if (STAGE == 1) {
+        if (v0) store_gemm1<NSUB, GATED>(p, acc0, acc1, e, base, n_e, t0, r0, nsub_valid, NVFP4_DEQ_UNSCALE);
+        if (!GATED && v1)
+            store_gemm1<NSUB, false>(p, acc1, acc1, e, base, n_e, t0, r1, nsub_valid, NVFP4_DEQ_UNSCALE);
+    } else {
+        if (v0) store_gemm2<NSUB>(p, acc0, e, base, n_e, t0, r0, nsub_valid, NVFP4_DEQ_UNSCALE);
+        if (v1) store_gemm2<NSUB>(p, acc1, e, base, n_e, t0, r1, nsub_valid, NVFP4_DEQ_UNSCALE);
+    }
+}
+
+template <bool GATED, int STAGE>
+__device__ __forceinline__ void prefill_body(const GemmParams& p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    int* srow = reinterpret_cast<int*>(smem_raw);  // activation row of each tile column, -1: none
+    int* tile = srow + PF_NT;
+    unsigned char* ring = smem_raw + PF_RING_OFFSET;
+
+    const int tid = threadIdx.x, warp = tid >> 5;
+    if (warp == 0) find_tile(p, tile);
+    __syncthreads();
+    const int e = tile[0];
+    if (e < 0) return;  // block-uniform
+    const int t0 = tile[1];
+    const int base = p.offsets[e], n_e = p.offsets[e + 1] - base;
+    const int nvalid = min(PF_NT, n_e - t0);
+    for (int i = tid; i < PF_NT; i += PF_THREADS)
+        srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
+    __syncthreads();
+    if (nvalid > 64)
+        prefill_tile<GATED, STAGE, 128>(p, srow, ring, e, base, n_e, t0, nvalid);
+    else
+        prefill_tile<GATED, STAGE, 64>(p, srow, ring, e, base, n_e, t0, nvalid);
+}
+
+#define PREFILL(NAME, GATED, STAGE)                                                             \
+    extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) NAME(const GemmParams p) { \
+        prefill_body<GATED, STAGE>(p);                                                          \
+    }
+PREFILL(prefill_gemm1_gated, true, 1)
+PREFILL(prefill_gemm1_plain, false, 1)
+PREFILL(prefill_gemm2, false, 2)
