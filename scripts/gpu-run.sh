@@ -7,7 +7,7 @@
 # usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [shapes] [paths] [bench] [torch]
 # (default: all but prefill-tests, which tests covers)
 # NCU_TOKENS (default "1 64 256") picks the ncu batch sizes, BENCH_MODES (default "w4a16 w4a4")
-# the bench modes.
+# the bench modes, SAN_BINS / SAN_FILTER the sanitized test executables and cuda_device filter.
 set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 L="$OUT/logs"; mkdir -p "$L"
@@ -20,19 +20,23 @@ if has tests; then
   bash .gpu/run.sh > $L/tests.txt 2>&1; echo "tests rc=$?"
   grep -E "^test .*FAILED|panicked|rel err|test result|^FAILED" $L/tests.txt | tail -60
   # The mma.sync prefill kernels (what sm_80/86/89 run), compiled for plain sm_90 on this GPU.
-  FP4MOE_CUDA_ARCH=sm_90 .gpu/tests/cuda_device-* --test-threads=1 --nocapture prefill > $L/tests-sm90-mma.txt 2>&1
-  echo "prefill tests with FP4MOE_CUDA_ARCH=sm_90 (mma.sync): rc=$?"
-  grep -E "panicked|rel err|test result" $L/tests-sm90-mma.txt | tail -30
+  if [ "${MMA_TESTS:-1}" = 1 ]; then
+    FP4MOE_CUDA_ARCH=sm_90 .gpu/tests/cuda_device-* --test-threads=1 --nocapture prefill > $L/tests-sm90-mma.txt 2>&1
+    echo "prefill tests with FP4MOE_CUDA_ARCH=sm_90 (mma.sync): rc=$?"
+    grep -E "panicked|rel err|test result" $L/tests-sm90-mma.txt | tail -30
+  fi
 fi
 if has prefill-tests; then
   .gpu/tests/cuda_device-* --test-threads=1 --nocapture prefill router > $L/tests-prefill.txt 2>&1
   echo "prefill tests: rc=$?"; grep -E "panicked|rel err|test result" $L/tests-prefill.txt | tail -30
+  FP4MOE_CUDA_ARCH=sm_90 .gpu/tests/cuda_device-* --test-threads=1 prefill_golden prefill_small > $L/tests-prefill-mma.txt 2>&1
+  echo "prefill tests, mma.sync kernels (FP4MOE_CUDA_ARCH=sm_90): rc=$?"; grep -E "panicked|test result" $L/tests-prefill-mma.txt
 fi
 san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if has sanitizer && [ -n "$san" ]; then
   for tool in memcheck racecheck; do
-    for t in .gpu/tests/moe_golden-* .gpu/tests/cuda_device-*; do
-      filt=cuda; case "$t" in *cuda_device*) filt="graph_capture prefill_golden";; esac
+    for t in ${SAN_BINS:-.gpu/tests/moe_golden-* .gpu/tests/cuda_device-*}; do
+      filt=cuda; case "$t" in *cuda_device*) filt="${SAN_FILTER:-graph_capture prefill_golden}";; esac
       n=$(basename "${t%-*}")
       "$san" --tool $tool --error-exitcode 9 "$t" --test-threads=1 $filt > $L/sanitizer-$tool-$n.txt 2>&1
       echo "compute-sanitizer $tool $n: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $L/sanitizer-$tool-$n.txt | head -1)"

@@ -369,7 +369,7 @@ impl GemmShape {
 const SORT_CHUNK: usize = 2048;
 
 /// Token count from which router logits come from the tiled kernel.
-const ROUTER_TILED_FROM: usize = 32;
+const ROUTER_TILED_FROM: usize = 1024;
 
 /// Which expert-GEMM kernels run a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
