@@ -54,6 +54,8 @@ pub(crate) struct Args {
     pub json: Option<std::path::PathBuf>,
     pub seed: u64,
     pub iterations: Option<usize>,
+    pub plot: Option<std::path::PathBuf>,
+    pub compare: Vec<std::path::PathBuf>,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {
@@ -180,13 +182,20 @@ pub(crate) fn run(a: Args) -> Result<()> {
             "useful_tflops": tflops,
         }));
     }
+    let doc = serde_json::json!({
+        "preset": p.name(), "mode": spec.quant.to_string(), "backend": backend.name(), "device": device,
+        "copy_bandwidth_gbs": bandwidth / 1e9, "bf16_tflops": BF16_TFLOPS, "experts": e, "top_k": k, "results": rows,
+    });
     if let Some(path) = &a.json {
-        let doc = serde_json::json!({
-            "preset": p.name(), "mode": spec.quant.to_string(), "backend": backend.name(), "device": device,
-            "copy_bandwidth_gbs": bandwidth / 1e9, "bf16_tflops": BF16_TFLOPS, "experts": e, "top_k": k, "results": rows,
-        });
         let text = serde_json::to_string_pretty(&doc)?;
         fp4moe::tensor_io::write_atomic(path, text.as_bytes())?;
+    }
+    if let Some(path) = &a.plot {
+        let mut docs = vec![("this run".to_string(), doc)];
+        docs.extend(crate::plot::read_docs(&a.compare)?);
+        let (name, lines) = crate::plot::series(&docs)?;
+        let svg = crate::plot::svg(&format!("{name} on {device}"), &lines);
+        fp4moe::tensor_io::write_atomic(path, svg.as_bytes())?;
     }
     Ok(())
 }

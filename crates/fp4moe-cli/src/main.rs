@@ -3,6 +3,7 @@
 mod bench;
 mod checkpoint_cmds;
 mod demo;
+mod plot;
 mod progress;
 
 use anyhow::{bail, Context, Result};
@@ -150,6 +151,24 @@ enum Command {
         /// Timed graph replays per batch size (default: 200, 40 from 1024 tokens).
         #[arg(long)]
         iterations: Option<usize>,
+        /// Also draw time/floor against tokens as SVG: this run plus any --compare documents.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        /// Benchmark JSON files (earlier `bench --json`, the PyTorch peer's) drawn beside this run.
+        #[arg(long, value_delimiter = ',')]
+        compare: Vec<PathBuf>,
+    },
+    /// Draw benchmark JSON files (one preset) as an SVG chart of time/floor against tokens.
+    Plot {
+        /// The SVG to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Chart title (default: the preset).
+        #[arg(long)]
+        title: Option<String>,
+        /// `fp4moe bench --json` outputs and PyTorch peer outputs; the first fp4moe one sets the floor.
+        #[arg(required = true)]
+        json: Vec<PathBuf>,
     },
     /// Compile every CUDA kernel with NVRTC (no GPU needed) and print registers, shared memory
     /// and spills per kernel; fails on any spill.
@@ -348,6 +367,16 @@ fn compile_kernels(archs: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// `fp4moe plot`: the chart of `json` (see `plot.rs`) written to `out`.
+fn write_plot(out: &Path, title: Option<&str>, json: &[PathBuf]) -> Result<()> {
+    let docs = plot::read_docs(json)?;
+    let (preset, lines) = plot::series(&docs)?;
+    let svg = plot::svg(title.unwrap_or(&preset), &lines);
+    fp4moe::tensor_io::write_atomic(out, svg.as_bytes())?;
+    eprintln!("wrote {} ({} lines)", out.display(), lines.len());
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -396,6 +425,8 @@ fn main() -> ExitCode {
             json,
             seed,
             iterations,
+            plot,
+            compare,
         } => bench::run(bench::Args {
             preset,
             tokens,
@@ -404,7 +435,10 @@ fn main() -> ExitCode {
             json,
             seed,
             iterations,
+            plot,
+            compare,
         }),
+        Command::Plot { out, title, json } => write_plot(&out, title.as_deref(), &json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
