@@ -171,7 +171,7 @@ enum Command {
         json: Vec<PathBuf>,
     },
     /// Compile every CUDA kernel with NVRTC (no GPU needed) and print registers, shared memory
-    /// and spills per kernel; fails on any spill.
+    /// and spills per kernel; fails on any spill or serialized wgmma pipeline.
     CompileKernels {
         /// Architectures, e.g. sm_90a,sm_80.
         #[arg(long, value_delimiter = ',', default_value = "sm_90a,sm_80")]
@@ -334,7 +334,7 @@ fn compile_kernels(archs: &[String]) -> Result<()> {
             .map(|d| d.display().to_string())
             .unwrap_or_else(|| "?".into())
     );
-    let mut spills = Vec::new();
+    let (mut spills, mut serialized) = (Vec::new(), Vec::new());
     for arch in archs {
         let compiled = progress::step(&format!("compiling kernels for {arch}"), || {
             fp4moe::cuda::compile_all(arch)
@@ -345,6 +345,9 @@ fn compile_kernels(archs: &[String]) -> Result<()> {
             "kernel", "regs", "smem (B)", "stack", "spill st/ld"
         );
         for c in &compiled {
+            for k in fp4moe::cuda::serialized_wgmma(&c.log) {
+                serialized.push(format!("{arch} {k}"));
+            }
             for k in fp4moe::cuda::parse_ptxas(&c.log) {
                 println!(
                     "{:<28} {:>5} {:>10} {:>7} {:>6}/{:<5}",
@@ -363,6 +366,12 @@ fn compile_kernels(archs: &[String]) -> Result<()> {
     }
     if !spills.is_empty() {
         bail!("register spills in: {}", spills.join(", "));
+    }
+    if !serialized.is_empty() {
+        bail!(
+            "ptxas serialized the wgmma pipeline (C7520) in: {}",
+            serialized.join(", ")
+        );
     }
     Ok(())
 }

@@ -42,7 +42,8 @@ struct GemmParams {
 // as its value times 2^-126 (bf16 subnormal for code 1, which bf16 arithmetic keeps); the block
 // scale enters as S' = S · 2^118, so each product is e2m1 · S · 2^-8, exact and normal in bf16.
 // The epilogue multiplies by NVFP4_DEQ_UNSCALE = 2^8 (a power of two: the f32 sums are the same
-// bits scaled, so results equal the unscaled ones exactly).
+// bits scaled, so results equal the unscaled ones unless a product a·w falls below 2^-118,
+// where f32 turns subnormal).
 #define NVFP4_DEQ_UNSCALE 256.0f
 
 // bf16x2 of the two codes of byte i of w (low nibble in the low half), times 2^-126; w4 = w >> 4.

@@ -52,6 +52,33 @@ fn with_scales(spec: &MoeSpec, mut w: MoeWeights, x: &[f32]) -> MoeWeights {
     w
 }
 
+/// Relative error of `count` tokens spread over the batch of `out` against the reference
+/// backend on the same inputs and router logits (tokens are independent).
+fn sample_error(
+    spec: &MoeSpec,
+    w: MoeWeights,
+    x: &[f32],
+    logits: &[f32],
+    out: &[f32],
+    count: usize,
+) -> f64 {
+    let (h, e) = (spec.shape.hidden, spec.shape.experts);
+    let tokens = x.len() / h;
+    let sample: Vec<usize> = (0..tokens)
+        .step_by((tokens / count).max(1))
+        .take(count)
+        .collect();
+    let rows = |v: &[f32], n: usize| -> Vec<f32> {
+        sample
+            .iter()
+            .flat_map(|&t| v[t * n..(t + 1) * n].to_vec())
+            .collect()
+    };
+    let reference = MoeLayer::new(*spec, w, BackendChoice::Use(Backend::Reference)).unwrap();
+    let (want, _) = reference.run(&rows(x, h), Some(&rows(logits, e))).unwrap();
+    relative_l2(&rows(out, h), &want)
+}
+
 /// Runs `tokens` tokens on CUDA and checks ids against CPU routing on the same logits and a
 /// sample of tokens against the reference backend.
 fn check(spec: MoeSpec, tokens: usize, seed: u64) {
@@ -75,22 +102,7 @@ fn check(spec: MoeSpec, tokens: usize, seed: u64) {
         "not bitwise reproducible"
     );
 
-    let sample: Vec<usize> = (0..tokens).step_by((tokens / 12).max(1)).take(12).collect();
-    let xs: Vec<f32> = sample
-        .iter()
-        .flat_map(|&t| x[t * h..(t + 1) * h].to_vec())
-        .collect();
-    let ls: Vec<f32> = sample
-        .iter()
-        .flat_map(|&t| logits[t * spec.shape.experts..(t + 1) * spec.shape.experts].to_vec())
-        .collect();
-    let reference = MoeLayer::new(spec, w, BackendChoice::Use(Backend::Reference)).unwrap();
-    let (want, _) = reference.run(&xs, Some(&ls)).unwrap();
-    let got: Vec<f32> = sample
-        .iter()
-        .flat_map(|&t| out[t * h..(t + 1) * h].to_vec())
-        .collect();
-    let err = relative_l2(&got, &want);
+    let err = sample_error(&spec, w, &x, &logits, &out, 12);
     println!(
         "{} {} H{} I{} E{} k{} T{tokens}: rel err {err:.3e}",
         spec.activation,
@@ -213,23 +225,7 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
     assert_eq!(ids, dec_ids);
     let vs_decode = relative_l2(&out, &dec);
 
-    // Sample: spread over the batch, plus hot-expert tokens when skewed.
-    let sample: Vec<usize> = (0..tokens).step_by((tokens / 10).max(1)).take(10).collect();
-    let xs: Vec<f32> = sample
-        .iter()
-        .flat_map(|&t| x[t * h..(t + 1) * h].to_vec())
-        .collect();
-    let ls: Vec<f32> = sample
-        .iter()
-        .flat_map(|&t| logits[t * e..(t + 1) * e].to_vec())
-        .collect();
-    let reference = MoeLayer::new(spec, w, BackendChoice::Use(Backend::Reference)).unwrap();
-    let (want, _) = reference.run(&xs, Some(&ls)).unwrap();
-    let got: Vec<f32> = sample
-        .iter()
-        .flat_map(|&t| out[t * h..(t + 1) * h].to_vec())
-        .collect();
-    let err = relative_l2(&got, &want);
+    let err = sample_error(&spec, w, &x, &logits, &out, 10);
     println!(
         "prefill {} {} H{h} I{} E{e} k{} T{tokens}{}: rel err {err:.3e} vs reference, {vs_decode:.3e} vs decode",
         spec.activation,

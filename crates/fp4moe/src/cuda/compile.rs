@@ -359,6 +359,22 @@ pub fn parse_ptxas(log: &str) -> Vec<KernelUsage> {
     out
 }
 
+/// Kernels whose wgmma pipeline ptxas serialized (its C7520 advisory: a wgmma under divergent
+/// control flow or registers it could not prove untouched), which costs most of the tensor-core
+/// rate; `compile-kernels` fails on them like on spills.
+pub fn serialized_wgmma(log: &str) -> Vec<String> {
+    log.lines()
+        .filter(|l| l.contains("wgmma.mma_async instructions are serialized"))
+        .map(|l| {
+            l.split("in the function '")
+                .nth(1)
+                .and_then(|rest| rest.split('\'').next())
+                .unwrap_or("?")
+                .to_string()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,6 +405,40 @@ mod tests {
             }
         }
         assert_eq!(kernel_names("expert_gemm.cu").len(), 36);
+    }
+
+    #[test]
+    fn serialized_wgmma_advisories_are_found() {
+        let log = "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to program dependence on compiler-inserted WG.AR in divergent path in the function 'prefill_gemm2'\n\
+                   ptxas info    : Used 190 registers\n";
+        assert_eq!(serialized_wgmma(log), vec!["prefill_gemm2".to_string()]);
+        assert!(serialized_wgmma("ptxas info    : Used 190 registers\n").is_empty());
+    }
+
+    #[test]
+    fn prefill_shared_memory_matches_the_kernel() {
+        // PREFILL_SMEM (host) from the kernel's own constants.
+        let src = SOURCES
+            .iter()
+            .find(|(f, _)| *f == "prefill_gemm.cu")
+            .map(|(_, s)| *s)
+            .unwrap();
+        let define = |name: &str| -> usize {
+            let line = src
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} not defined"));
+            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        let (nt, stages, ring) = (
+            define("PF_NT"),
+            define("PF_STAGES"),
+            define("PF_RING_OFFSET"),
+        );
+        let stage = nt * 128 + 16 * 512 + 16 * 64;
+        assert_eq!(super::super::PREFILL_SMEM, ring + stages * stage);
+        // The row table and the tile fit below the ring.
+        assert!(4 * (nt + 2) <= ring);
     }
 
     #[test]

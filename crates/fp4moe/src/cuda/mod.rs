@@ -17,7 +17,8 @@ mod compile;
 pub mod pack;
 
 pub use compile::{
-    compile, include_dir, nvrtc_version, parse_ptxas, CompileError, Compiled, KernelUsage, SOURCES,
+    compile, include_dir, nvrtc_version, parse_ptxas, serialized_wgmma, CompileError, Compiled,
+    KernelUsage, SOURCES,
 };
 
 use crate::backend::{Experts, Workspace};
@@ -389,20 +390,31 @@ pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 16;
 pub const PREFILL_SMEM: usize = 1024 + 5 * (128 * 128 + 16 * 512 + 16 * 64);
 
 impl GemmPath {
-    /// Prefill when the mean tokens per expert (`pairs / experts`) reach
-    /// [`PREFILL_MIN_TOKENS_PER_EXPERT`] and the device has the shared memory (sm_80/90; not the
-    /// 99 KB parts); `FP4MOE_GEMM_PATH=decode|prefill` overrides the choice (a benchmark knob;
-    /// prefill still needs the shared memory).
-    pub fn choose(pairs: usize, experts: usize, max_shared_bytes: usize) -> Self {
+    /// `FP4MOE_GEMM_PATH=decode|prefill`, a benchmark knob.
+    fn from_env() -> Option<Self> {
+        match std::env::var("FP4MOE_GEMM_PATH").as_deref() {
+            Ok("decode") => Some(GemmPath::Decode),
+            Ok("prefill") => Some(GemmPath::Prefill),
+            _ => None,
+        }
+    }
+
+    /// The path for `pairs` routed pairs over `experts` experts: `forced` when given, else
+    /// prefill from [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert; decode whenever
+    /// the device lacks the prefill kernels' shared memory (sm_86/89's 99 KB).
+    pub fn choose(
+        pairs: usize,
+        experts: usize,
+        max_shared_bytes: usize,
+        forced: Option<Self>,
+    ) -> Self {
         if PREFILL_SMEM > max_shared_bytes {
             return GemmPath::Decode;
         }
-        let per_expert = pairs / experts.max(1);
-        match std::env::var("FP4MOE_GEMM_PATH").as_deref() {
-            Ok("decode") => GemmPath::Decode,
-            Ok("prefill") => GemmPath::Prefill,
-            _ if per_expert >= PREFILL_MIN_TOKENS_PER_EXPERT => GemmPath::Prefill,
-            _ => GemmPath::Decode,
+        match forced {
+            Some(path) => path,
+            None if pairs / experts.max(1) >= PREFILL_MIN_TOKENS_PER_EXPERT => GemmPath::Prefill,
+            None => GemmPath::Decode,
         }
     }
 }
@@ -577,6 +589,9 @@ impl CudaLayer {
         ws: &mut CudaWorkspace,
         logits: Option<&CudaSlice<f32>>,
     ) -> Result<()> {
+        if ws.tokens == 0 {
+            return Ok(());
+        }
         let (t, h, e) = (
             ws.tokens as i32,
             self.spec.shape.hidden as i32,
@@ -706,14 +721,10 @@ impl CudaLayer {
         })
     }
 
+    /// The layer's forced path, else `FP4MOE_GEMM_PATH`, else [`GemmPath::choose`]'s rule.
     fn path_for(&self, pairs: usize, experts: usize) -> GemmPath {
-        match self.gemm_path {
-            Some(GemmPath::Prefill) if PREFILL_SMEM <= self.dev.max_shared_bytes => {
-                GemmPath::Prefill
-            }
-            Some(_) => GemmPath::Decode,
-            None => GemmPath::choose(pairs, experts, self.dev.max_shared_bytes),
-        }
+        let forced = self.gemm_path.or_else(GemmPath::from_env);
+        GemmPath::choose(pairs, experts, self.dev.max_shared_bytes, forced)
     }
 
     /// One prefill GEMM (`prefill_gemm.cu`): grid x over 256-weight-row tiles (128 rows of g
@@ -728,12 +739,17 @@ impl CudaLayer {
         slots: usize,
     ) -> Result<()> {
         let rows_per_block = if name.ends_with("gated") { 8 } else { 16 };
+        let tiles = pairs.div_ceil(128) + slots;
+        if tiles > 65_535 {
+            return Err(Error::Unsupported {
+                backend: "cuda".into(),
+                reason: format!(
+                    "{pairs} routed pairs need {tiles} token tiles; the prefill grid allows 65535"
+                ),
+            });
+        }
         let cfg = LaunchConfig {
-            grid_dim: (
-                rg_out.div_ceil(rows_per_block) as u32,
-                (pairs.div_ceil(128) + slots) as u32,
-                1,
-            ),
+            grid_dim: (rg_out.div_ceil(rows_per_block) as u32, tiles as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: PREFILL_SMEM as u32,
         };
@@ -839,6 +855,9 @@ impl CudaLayer {
 
     /// The experts for the routing in `ws.ids` / `ws.weights`: `ws.out = Σ w · expert(x) + shared(x)`.
     pub fn experts_device(&self, ws: &mut CudaWorkspace) -> Result<()> {
+        if ws.tokens == 0 {
+            return Ok(()); // a zero-sized grid is not a valid launch
+        }
         let st = &self.dev.stream;
         let s = &self.spec;
         let (t, h, i, e, k) = (
@@ -1093,5 +1112,48 @@ impl Experts for CudaExperts {
             st.synchronize().map_err(driver_err("synchronize"))?;
             Ok(topk)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemm_path_follows_tokens_per_expert_and_shared_memory() {
+        let h200 = 227 * 1024;
+        // Nemotron-3 Nano (E 128, top-6): 256 tokens = 12 per expert, 512 = 24.
+        assert_eq!(GemmPath::choose(256 * 6, 128, h200, None), GemmPath::Decode);
+        assert_eq!(
+            GemmPath::choose(512 * 6, 128, h200, None),
+            GemmPath::Prefill
+        );
+        // Exactly the threshold takes prefill (Qwen3: 256 tokens x top-8 / 128 = 16).
+        assert_eq!(
+            GemmPath::choose(256 * 8, 128, h200, None),
+            GemmPath::Prefill
+        );
+        // A shared expert is one expert holding every token.
+        assert_eq!(GemmPath::choose(15, 1, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(16, 1, h200, None), GemmPath::Prefill);
+        // Forced either way, but never prefill without its shared memory (sm_89: 99 KB).
+        let forced = Some(GemmPath::Prefill);
+        assert_eq!(GemmPath::choose(1, 128, h200, forced), GemmPath::Prefill);
+        let forced = Some(GemmPath::Decode);
+        assert_eq!(
+            GemmPath::choose(1 << 20, 128, h200, forced),
+            GemmPath::Decode
+        );
+        let sm89 = 99 * 1024;
+        assert_eq!(
+            GemmPath::choose(1 << 20, 128, sm89, Some(GemmPath::Prefill)),
+            GemmPath::Decode
+        );
+        // A100 (163 KB) has room.
+        assert_eq!(
+            GemmPath::choose(1 << 20, 128, 163 * 1024, None),
+            GemmPath::Prefill
+        );
+        assert_eq!(GemmPath::choose(0, 0, h200, None), GemmPath::Decode);
     }
 }
