@@ -64,7 +64,7 @@ PY
 fi
 if has detail && [ -n "$ncu" ]; then
   # One prefill GEMM under ncu's full set: throughput, pipe use and stall reasons.
-  "$ncu" --set full -k regex:prefill_gemm1 --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano \
+  "$ncu" --set full --print-details all -k regex:prefill_gemm1 --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano \
     --tokens 4096 --backend cuda --iterations 1 > $L/ncu-prefill-full.txt 2>&1
   grep -E "Duration|Throughput|Issue Slots|Issued Ipc|Pipe|Stall|Warp Cycles|Eligible|Active Warps|Bank|Registers|L2 Hit|Executed Ipc|No Eligible|One or More|Theoretical Occ|Achieved Occ|smsp__pcsamp" $L/ncu-prefill-full.txt | head -90
 fi

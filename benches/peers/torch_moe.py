@@ -5,7 +5,7 @@ a CUDA graph and timed with CUDA events (median of replays after warm-up, rotati
 Prints the same table as `fp4moe bench` (floors from DESIGN 5: bf16 weights are 16 bits/weight,
 so its memory floor is 3.6x the NVFP4 one).
 
-usage: python3 benches/peers/torch_moe.py --preset nemotron3-nano --tokens 1,8,64,256,1024,4096 [--json PATH]
+usage: python3 benches/peers/torch_moe.py --preset nemotron3-nano --tokens 1,8,64,256,1024,4096,16384 [--json PATH]
 """
 import argparse
 import json
@@ -102,7 +102,7 @@ def copy_bandwidth(device):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="nemotron3-nano", choices=sorted(PRESETS))
-    ap.add_argument("--tokens", default="1,8,64,256,1024,4096")
+    ap.add_argument("--tokens", default="1,8,64,256,1024,4096,16384")
     ap.add_argument("--json")
     a = ap.parse_args()
     device = "cuda"
