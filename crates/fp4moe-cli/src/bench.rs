@@ -12,6 +12,7 @@ use fp4moe::spec::{Intermediate, MoeSpec, QuantMode};
 use fp4moe::synthetic::{random_tokens, random_weights, Preset};
 use fp4moe::weights::MoeWeights;
 use fp4moe::{Backend, BackendChoice, MoeLayer, Workspace};
+use std::path::PathBuf;
 use std::time::Instant;
 
 /// H200 bf16 dense matmul rate measured for DESIGN 5 (788–795 TFLOP/s).
@@ -46,16 +47,36 @@ fn experts_touched(spec: &MoeSpec, w: &MoeWeights, inputs: &[Vec<f32>]) -> f64 {
     total as f64 / inputs.len().max(1) as f64
 }
 
+/// `fp4moe bench`'s arguments.
+#[derive(clap::Args, Debug)]
 pub(crate) struct Args {
+    #[arg(long, value_enum, default_value = "nemotron3-nano")]
     pub preset: PresetArg,
+    /// Batch sizes.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,8,64,256,1024,4096,16384"
+    )]
     pub tokens: Vec<usize>,
+    #[arg(long, value_enum, default_value = "w4a16")]
     pub mode: ModeArg,
+    #[arg(long, value_enum, default_value = "auto")]
     pub backend: BackendArg,
-    pub json: Option<std::path::PathBuf>,
+    /// Also write the results as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Timed graph replays per batch size (default: 200, 40 from 1024 tokens).
+    #[arg(long)]
     pub iterations: Option<usize>,
-    pub plot: Option<std::path::PathBuf>,
-    pub compare: Vec<std::path::PathBuf>,
+    /// Also draw time/floor against tokens as SVG: this run plus any --compare documents.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Benchmark JSON files (earlier `bench --json`, the PyTorch peer's) drawn beside this run.
+    #[arg(long, value_delimiter = ',')]
+    pub compare: Vec<PathBuf>,
 }
 
 pub(crate) fn run(a: Args) -> Result<()> {

@@ -129,35 +129,7 @@ enum Command {
         json: bool,
     },
     /// Time the layer per batch size against the DESIGN 5 memory and compute floors.
-    Bench {
-        #[arg(long, value_enum, default_value = "nemotron3-nano")]
-        preset: PresetArg,
-        /// Batch sizes.
-        #[arg(
-            long,
-            value_delimiter = ',',
-            default_value = "1,8,64,256,1024,4096,16384"
-        )]
-        tokens: Vec<usize>,
-        #[arg(long, value_enum, default_value = "w4a16")]
-        mode: bench::ModeArg,
-        #[arg(long, value_enum, default_value = "auto")]
-        backend: BackendArg,
-        /// Also write the results as JSON.
-        #[arg(long)]
-        json: Option<PathBuf>,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Timed graph replays per batch size (default: 200, 40 from 1024 tokens).
-        #[arg(long)]
-        iterations: Option<usize>,
-        /// Also draw time/floor against tokens as SVG: this run plus any --compare documents.
-        #[arg(long)]
-        plot: Option<PathBuf>,
-        /// Benchmark JSON files (earlier `bench --json`, the PyTorch peer's) drawn beside this run.
-        #[arg(long, value_delimiter = ',')]
-        compare: Vec<PathBuf>,
-    },
+    Bench(bench::Args),
     /// Draw benchmark JSON files (one preset) as an SVG chart of time/floor against tokens.
     Plot {
         /// The SVG to write.
@@ -426,27 +398,7 @@ fn main() -> ExitCode {
             no_shared,
             force,
         } => checkpoint_cmds::quantize(&input, &output, calib.as_deref(), no_shared, force),
-        Command::Bench {
-            preset,
-            tokens,
-            mode,
-            backend,
-            json,
-            seed,
-            iterations,
-            plot,
-            compare,
-        } => bench::run(bench::Args {
-            preset,
-            tokens,
-            mode,
-            backend,
-            json,
-            seed,
-            iterations,
-            plot,
-            compare,
-        }),
+        Command::Bench(args) => bench::run(args),
         Command::Plot { out, title, json } => write_plot(&out, title.as_deref(), &json),
     };
     match result {
