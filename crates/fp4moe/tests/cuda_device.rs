@@ -177,7 +177,7 @@ fn many_experts_and_top1() {
 
 /// One forward of `layer` on the device with host logits: (output, routing ids).
 fn run_device(layer: &CudaLayer, x: &[f32], logits: &[f32]) -> (Vec<f32>, Vec<i32>) {
-    let tokens = x.len() / layer_hidden(layer);
+    let tokens = x.len() / layer.spec().shape.hidden;
     let st = layer.stream().clone();
     let mut ws = layer.workspace(tokens).unwrap();
     st.memcpy_htod(x, &mut ws.x).unwrap();
@@ -187,10 +187,6 @@ fn run_device(layer: &CudaLayer, x: &[f32], logits: &[f32]) -> (Vec<f32>, Vec<i3
         st.clone_dtoh(&ws.out).unwrap(),
         st.clone_dtoh(&ws.ids).unwrap(),
     )
-}
-
-fn layer_hidden(layer: &CudaLayer) -> usize {
-    layer.spec().shape.hidden
 }
 
 /// The prefill GEMMs against the decode GEMMs (same layer, same routing) and a sample of tokens

@@ -212,6 +212,29 @@ struct GemmParams {
 // field for field (11 pointers, 8 ints, 2 floats; no implicit padding).
 unsafe impl DeviceRepr for GemmParams {}
 
+/// Device pointers of a token grouping by expert (`sort_pairs.cu`'s outputs, or the shared
+/// expert's single group from `shared_meta`), as both GEMMs read it.
+#[derive(Clone, Copy, Debug)]
+struct Grouping {
+    offsets: u64,
+    sorted: u64,
+    active: u64,
+    num_active: u64,
+}
+
+impl Grouping {
+    /// `params` reading this grouping.
+    fn params(self, params: GemmParams) -> GemmParams {
+        GemmParams {
+            offsets: self.offsets,
+            sorted: self.sorted,
+            active: self.active,
+            num_active: self.num_active,
+            ..params
+        }
+    }
+}
+
 /// One projection on the device in the decode kernels' layout.
 struct DeviceProjection {
     nvfp4: bool,
@@ -357,13 +380,20 @@ impl GemmShape {
     /// Narrow below 8 tokens, wide from there (measured crossover, docs/KERNEL_NOTES.md);
     /// `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for benchmarks).
     fn for_tokens(tokens: usize) -> Self {
-        match std::env::var("FP4MOE_GEMM_SHAPE").as_deref() {
-            Ok("narrow") => GemmShape::Narrow,
-            Ok("wide") => GemmShape::Wide,
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        match tuning_knob(&KNOB, "FP4MOE_GEMM_SHAPE") {
+            Some("narrow") => GemmShape::Narrow,
+            Some("wide") => GemmShape::Wide,
             _ if tokens >= 8 => GemmShape::Wide,
             _ => GemmShape::Narrow,
         }
     }
+}
+
+/// The value of a benchmark tuning variable, read once per process (into `cell`) so forwards
+/// neither take the environment lock nor allocate for it.
+fn tuning_knob(cell: &'static OnceLock<Option<String>>, name: &str) -> Option<&'static str> {
+    cell.get_or_init(|| std::env::var(name).ok()).as_deref()
 }
 
 /// Pairs per chunk of the multi-block pair sort.
@@ -392,9 +422,10 @@ pub const PREFILL_SMEM: usize = 1024 + 5 * (128 * 128 + 16 * 512 + 16 * 64);
 impl GemmPath {
     /// `FP4MOE_GEMM_PATH=decode|prefill`, a benchmark knob.
     fn from_env() -> Option<Self> {
-        match std::env::var("FP4MOE_GEMM_PATH").as_deref() {
-            Ok("decode") => Some(GemmPath::Decode),
-            Ok("prefill") => Some(GemmPath::Prefill),
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        match tuning_knob(&KNOB, "FP4MOE_GEMM_PATH") {
+            Some("decode") => Some(GemmPath::Decode),
+            Some("prefill") => Some(GemmPath::Prefill),
             _ => None,
         }
     }
@@ -797,17 +828,24 @@ impl CudaLayer {
         }
     }
 
-    /// Groups the `pairs` routed pairs of `ws.ids` by expert (`sort_pairs.cu`): one block up to
-    /// `2·SORT_CHUNK` pairs, else count / scan / place over `SORT_CHUNK`-pair chunks.
-    fn sort_pairs(&self, ws: &CudaWorkspace, pairs: i32, experts: i32) -> Result<()> {
+    /// Groups the `pairs` routed pairs of `ws.ids` by expert into `grouping` (`sort_pairs.cu`):
+    /// one block up to `2·SORT_CHUNK` pairs, else count / scan / place over `SORT_CHUNK`-pair
+    /// chunks.
+    fn sort_pairs(
+        &self,
+        ws: &CudaWorkspace,
+        grouping: Grouping,
+        pairs: i32,
+        experts: i32,
+    ) -> Result<()> {
         let st = &self.dev.stream;
-        let (ids, off, sorted, active, num) = (
-            ptr(&ws.ids, st),
-            ptr(&ws.offsets, st),
-            ptr(&ws.sorted, st),
-            ptr(&ws.active, st),
-            ptr(&ws.num_active, st),
-        );
+        let ids = ptr(&ws.ids, st);
+        let Grouping {
+            offsets: off,
+            sorted,
+            active,
+            num_active: num,
+        } = grouping;
         let block = |grid: usize, smem: usize| LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
             block_dim: (1024, 1, 1),
@@ -874,14 +912,13 @@ impl CudaLayer {
             .position(|a| *a == act)
             .unwrap_or(0) as i32;
 
-        let (pairs, experts) = (p as i32, e as i32);
-        let (off, sorted, active, num) = (
-            ptr(&ws.offsets, st),
-            ptr(&ws.sorted, st),
-            ptr(&ws.active, st),
-            ptr(&ws.num_active, st),
-        );
-        self.sort_pairs(ws, pairs, experts)?;
+        let grouping = Grouping {
+            offsets: ptr(&ws.offsets, st),
+            sorted: ptr(&ws.sorted, st),
+            active: ptr(&ws.active, st),
+            num_active: ptr(&ws.num_active, st),
+        };
+        self.sort_pairs(ws, grouping, p as i32, e as i32)?;
 
         let (x, a) = (ptr(&ws.x, st), ptr(&ws.a, st));
         let xs = if self.shared.is_some() {
@@ -916,44 +953,36 @@ impl CudaLayer {
         };
         let p1 = GemmParams {
             act: a,
-            offsets: off,
-            sorted,
-            active,
-            num_active: num,
             g_out: g,
             rg_out: (i / 16) as i32,
             top_k: k as i32,
             out_stride: i as i32,
             act_alpha: self.gs1.map_or(1.0, |gs| 1.0 / gs),
             gs_out: self.gs2.unwrap_or(0.0),
-            ..base(&self.w13)
+            ..grouping.params(base(&self.w13))
         };
         let p2 = GemmParams {
             act: g,
-            offsets: off,
-            sorted,
-            active,
-            num_active: num,
             topk_w: tw,
             o_out: o,
             rg_out: (h / 16) as i32,
             top_k: 0,
             out_stride: h as i32,
             act_alpha: self.gs2.map_or(1.0, |gs| 1.0 / gs),
-            ..base(&self.w2)
+            ..grouping.params(base(&self.w2))
         };
         self.expert_gemms(path, &self.w13, &self.w2, p1, p2, p, slots, t)?;
 
         let mut sh_o = 0u64;
         if let Some((s13, s2)) = &self.shared {
             let width = s.shared_intermediate.unwrap_or(0);
-            let (so, ss, sa, sn, ones) = (
-                ptr(&ws.sh_offsets, st),
-                ptr(&ws.sh_sorted, st),
-                ptr(&ws.sh_active, st),
-                ptr(&ws.sh_num, st),
-                ptr(&ws.sh_ones, st),
-            );
+            let sh = Grouping {
+                offsets: ptr(&ws.sh_offsets, st),
+                sorted: ptr(&ws.sh_sorted, st),
+                active: ptr(&ws.sh_active, st),
+                num_active: ptr(&ws.sh_num, st),
+            };
+            let ones = ptr(&ws.sh_ones, st);
             let tt = t as i32;
             let cfg = LaunchConfig {
                 grid_dim: ((t as u32).div_ceil(256), 1, 1),
@@ -961,37 +990,34 @@ impl CudaLayer {
                 shared_mem_bytes: 0,
             };
             self.launch("shared_meta", cfg, |b| {
-                b.arg(&tt).arg(&so).arg(&ss).arg(&sa).arg(&sn).arg(&ones);
+                b.arg(&tt)
+                    .arg(&sh.offsets)
+                    .arg(&sh.sorted)
+                    .arg(&sh.active)
+                    .arg(&sh.num_active)
+                    .arg(&ones);
             })?;
             let (sg, xs_p) = (ptr(&ws.sh_g, st), ptr(&ws.xs, st));
             sh_o = ptr(&ws.sh_o, st);
             let q1 = GemmParams {
                 act: xs_p,
-                offsets: so,
-                sorted: ss,
-                active: sa,
-                num_active: sn,
                 g_out: sg,
                 rg_out: (width / 16) as i32,
                 top_k: 1,
                 out_stride: width as i32,
                 act_alpha: 1.0,
                 gs_out: 0.0,
-                ..base(s13)
+                ..sh.params(base(s13))
             };
             let q2 = GemmParams {
                 act: sg,
-                offsets: so,
-                sorted: ss,
-                active: sa,
-                num_active: sn,
                 topk_w: ones,
                 o_out: sh_o,
                 rg_out: (h / 16) as i32,
                 top_k: 0,
                 out_stride: h as i32,
                 act_alpha: 1.0,
-                ..base(s2)
+                ..sh.params(base(s2))
             };
             let path = self.path_for(t, 1);
             self.expert_gemms(path, s13, s2, q1, q2, t, 1, t)?;
