@@ -68,6 +68,12 @@ if has detail && [ -n "$ncu" ]; then
     --tokens 4096 --backend cuda --iterations 1 > $L/ncu-prefill-full.txt 2>&1
   grep -E "Duration|Throughput|Issue Slots|Issued Ipc|Pipe|Stall|Warp Cycles|Eligible|Active Warps|Bank|Registers|L2 Hit|Executed Ipc|No Eligible|One or More|Theoretical Occ|Achieved Occ|smsp__pcsamp" $L/ncu-prefill-full.txt | head -90
 fi
+if has ws; then
+  # The warp-specialized prefill variant (branch wip/prefill-ws): correctness, then speed.
+  FP4MOE_PREFILL_KERNEL=ws .gpu/tests/cuda_device-* --test-threads=1 --nocapture prefill_golden prefill_nemotron graph_capture > $L/tests-ws.txt 2>&1
+  echo "ws prefill tests: rc=$?"; grep -E "panicked|rel err|test result" $L/tests-ws.txt | tail -12
+  FP4MOE_PREFILL_KERNEL=ws .gpu/fp4moe bench --preset nemotron3-nano --tokens 1024,4096,16384 --backend cuda 2>&1 | tail -4
+fi
 if has shapes; then
   for shape in narrow wide; do
     echo "== FP4MOE_GEMM_SHAPE=$shape"

@@ -339,6 +339,183 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p) {
         prefill_tile<GATED, STAGE, 64>(p, srow, ring, e, base, n_e, t0, nvalid);
 }
 
+// ---- Warp-specialized variant (work in progress: compiled, not yet run on a GPU) ----------
+//
+// Three warpgroups: WG0 produces (its 128 threads issue every cp.async of a chunk and signal
+// full[s] through cp.async.mbarrier.arrive), WG1 and WG2 consume (the slots and math of
+// prefill_tile). A consumer warp releases a stage (empty[s], lane 0 of each of the 8 consumer
+// warps) once wait_group 1 shows its last wgmma on it retired. No block-wide barrier inside the
+// k loop, and setmaxnreg moves registers from the producer to the consumers.
+#define WS_THREADS 384
+#define WS_MBAR_OFFSET 768  // 2·PF_STAGES mbarriers (8 bytes each) after the row table
+
+#if PF_WGMMA
+__device__ __forceinline__ void mbar_init(u64* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((u32)__cvta_generic_to_shared(bar)), "r"(count)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((u32)__cvta_generic_to_shared(bar)) : "memory");
+}
+// Arrives on `bar` once this thread's earlier cp.async copies have landed.
+__device__ __forceinline__ void mbar_arrive_cp_async(u64* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"((u32)__cvta_generic_to_shared(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 a = (u32)__cvta_generic_to_shared(bar);
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(a),
+        "r"(parity)
+        : "memory");
+}
+
+template <bool GATED, int STAGE, int NC>
+__device__ __forceinline__ void ws_tile(const GemmParams& p, const int* srow, unsigned char* ring, u64* full, u64* empty,
+                                        int e, int base, int n_e, int t0, int nvalid) {
+    constexpr int NSUB = NC / 8;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const u8* wdata_e = p.wdata + (size_t)e * p.rg_w * p.kg * 512;
+    const u8* wscales_e = p.wscales + (size_t)e * p.rg_w * p.kg * 64;
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        const int pt = tid;  // 0..127
+        for (int c = 0; c < p.kg; c++) {
+            const int s = c % PF_STAGES;
+            if (c >= PF_STAGES) mbar_wait(&empty[s], ((c / PF_STAGES) & 1) ^ 1);
+            unsigned char* dst = ring + s * PF_STAGE_BYTES;
+            for (int i = pt; i < NC * 8; i += 128) {
+                int n = ((i >> 6) << 3) | (i & 7), col = c * 64 + ((i >> 3) & 7) * 8, row = srow[n];
+                bool ok = row >= 0 && col < p.k;
+                cp_async16(dst + i * 16, ok ? p.act + (size_t)row * p.k + col : p.act, ok ? 16 : 0);
+            }
+            for (int i = pt; i < 16 * 36; i += 128) {
+                int slot = i / 36, piece = i % 36, rg;
+                bool ok = slot_row_group<GATED>(p, slot, blockIdx.x, &rg);
+                const u8* src = piece < 32 ? wdata_e + ((size_t)rg * p.kg + c) * 512 + piece * 16
+                                           : wscales_e + ((size_t)rg * p.kg + c) * 64 + (piece - 32) * 16;
+                unsigned char* to = piece < 32 ? dst + PF_B_BYTES + slot * 512 + piece * 16
+                                               : dst + PF_B_BYTES + PF_W_BYTES + slot * 64 + (piece - 32) * 16;
+                cp_async16(to, ok ? src : p.wdata, ok ? 16 : 0);
+            }
+            mbar_arrive_cp_async(&full[s]);
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int warp = (tid >> 5) - 4, lane = tid & 31, g = lane >> 2;  // consumer warp 0..7
+    float acc0[NSUB][4], acc1[NSUB][4];
+#pragma unroll
+    for (int s = 0; s < NSUB; s++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) acc0[s][c] = acc1[s][c] = 0.0f;
+    u32 a0[2][4], a1[2][4];
+    for (int c = 0; c < p.kg; c++) {
+        const int s = c % PF_STAGES;
+        mbar_wait(&full[s], (c / PF_STAGES) & 1);
+        fence_proxy_async();
+        const unsigned char* stage = ring + s * PF_STAGE_BYTES;
+        const uint4 d0 = *reinterpret_cast<const uint4*>(stage + PF_B_BYTES + warp * 512 + lane * 16);
+        const uint4 d1 = *reinterpret_cast<const uint4*>(stage + PF_B_BYTES + (8 + warp) * 512 + lane * 16);
+        const uint2 s0 = *reinterpret_cast<const uint2*>(stage + PF_B_BYTES + PF_W_BYTES + warp * 64 + g * 8);
+        const uint2 s1 = *reinterpret_cast<const uint2*>(stage + PF_B_BYTES + PF_W_BYTES + (8 + warp) * 64 + g * 8);
+        u32 sc0[4], sc1[4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            sc0[h] = scales_to_bf16x2(s0.x, h);
+            sc0[2 + h] = scales_to_bf16x2(s0.y, h);
+            sc1[h] = scales_to_bf16x2(s1.x, h);
+            sc1[2 + h] = scales_to_bf16x2(s1.y, h);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32* x0 = a0[j & 1];
+            u32* x1 = a1[j & 1];
+            dequant_fragment_alu(word_of(d0, j), sc0[j >> 1], sc0[2 + (j >> 1)], j, x0);
+            dequant_fragment_alu(word_of(d1, j), sc1[j >> 1], sc1[2 + (j >> 1)], j, x1);
+            wgmma_fence();
+            u64 desc = smem_desc(stage + j * 256);
+            if constexpr (NC == 128) {
+                wgmma_m64n128k16_rs(acc0, x0, desc);
+                wgmma_m64n128k16_rs(acc1, x1, desc);
+            } else {
+                wgmma_m64n64k16_rs(acc0, x0, desc);
+                wgmma_m64n64k16_rs(acc1, x1, desc);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();
+            // After step 0's wait the previous chunk's last group has retired: its stage is free.
+            if (j == 0 && c > 0 && lane == 0) mbar_arrive(&empty[(c - 1) % PF_STAGES]);
+        }
+    }
+    wgmma_wait<0>();
+    fence_acc(acc0);
+    fence_acc(acc1);
+
+    int r0, r1;
+    const bool v0 = slot_row_group<GATED>(p, warp, blockIdx.x, &r0);
+    const bool v1 = slot_row_group<GATED>(p, 8 + warp, blockIdx.x, &r1);
+    const int nsub_valid = (nvalid + 7) / 8;
+    if (STAGE == 1) {
+        if (v0) store_gemm1<NSUB, GATED>(p, acc0, acc1, e, base, n_e, t0, r0, nsub_valid, NVFP4_DEQ_UNSCALE);
+        if (!GATED && v1)
+            store_gemm1<NSUB, false>(p, acc1, acc1, e, base, n_e, t0, r1, nsub_valid, NVFP4_DEQ_UNSCALE);
+    } else {
+        if (v0) store_gemm2<NSUB>(p, acc0, e, base, n_e, t0, r0, nsub_valid, NVFP4_DEQ_UNSCALE);
+        if (v1) store_gemm2<NSUB>(p, acc1, e, base, n_e, t0, r1, nsub_valid, NVFP4_DEQ_UNSCALE);
+    }
+}
+
+template <bool GATED, int STAGE>
+__device__ __forceinline__ void ws_body(const GemmParams& p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    int* srow = reinterpret_cast<int*>(smem_raw);
+    int* tile = srow + PF_NT;
+    u64* full = reinterpret_cast<u64*>(smem_raw + WS_MBAR_OFFSET);
+    u64* empty = full + PF_STAGES;
+    unsigned char* ring = smem_raw + PF_RING_OFFSET;
+    const int tid = threadIdx.x;
+    if (tid < 32) find_tile(p, tile);
+    if (tid == 32) {
+        for (int s = 0; s < PF_STAGES; s++) {
+            mbar_init(&full[s], 128);  // every producer thread's cp.async arrive
+            mbar_init(&empty[s], 8);   // lane 0 of each consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const int e = tile[0];
+    if (e < 0) return;  // block-uniform
+    const int t0 = tile[1];
+    const int base = p.offsets[e], n_e = p.offsets[e + 1] - base;
+    const int nvalid = min(PF_NT, n_e - t0);
+    for (int i = tid; i < PF_NT; i += WS_THREADS)
+        srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
+    __syncthreads();
+    if (nvalid > 64)
+        ws_tile<GATED, STAGE, 128>(p, srow, ring, full, empty, e, base, n_e, t0, nvalid);
+    else
+        ws_tile<GATED, STAGE, 64>(p, srow, ring, full, empty, e, base, n_e, t0, nvalid);
+}
+#endif  // PF_WGMMA
+
+// The warp-specialized kernels exist on every architecture (the kernel list is static) but do
+// work only on sm_90a; the host launches them nowhere else.
+#if PF_WGMMA
+#define PREFILL_WS(NAME, GATED, STAGE) \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) NAME(const GemmParams p) { ws_body<GATED, STAGE>(p); }
+#else
+#define PREFILL_WS(NAME, GATED, STAGE) \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) NAME(const GemmParams) {}
+#endif
+PREFILL_WS(prefill_ws_gemm1_gated, true, 1)
+PREFILL_WS(prefill_ws_gemm1_plain, false, 1)
+PREFILL_WS(prefill_ws_gemm2, false, 2)
+
 #define PREFILL(NAME, GATED, STAGE)                                                             \
     extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) NAME(const GemmParams p) { \
         prefill_body<GATED, STAGE>(p);                                                          \

@@ -769,6 +769,14 @@ impl CudaLayer {
         pairs: usize,
         slots: usize,
     ) -> Result<()> {
+        // FP4MOE_PREFILL_KERNEL=ws: the warp-specialized variant (sm_90a only; work in progress).
+        let ws = self.dev.arch == "sm_90a"
+            && std::env::var("FP4MOE_PREFILL_KERNEL").as_deref() == Ok("ws");
+        let name = if ws {
+            name.replacen("prefill_", "prefill_ws_", 1)
+        } else {
+            name.to_string()
+        };
         let rows_per_block = if name.ends_with("gated") { 8 } else { 16 };
         let tiles = pairs.div_ceil(128) + slots;
         if tiles > 65_535 {
@@ -781,10 +789,10 @@ impl CudaLayer {
         }
         let cfg = LaunchConfig {
             grid_dim: (rg_out.div_ceil(rows_per_block) as u32, tiles as u32, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (if ws { 384 } else { 256 }, 1, 1),
             shared_mem_bytes: PREFILL_SMEM as u32,
         };
-        self.launch(name, cfg, |b| {
+        self.launch(&name, cfg, |b| {
             b.arg(&params);
         })
     }
