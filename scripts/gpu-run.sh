@@ -78,7 +78,7 @@ if has stalls && [ -n "$ncu" ]; then
   # Per-reason stall ratios (warps stalled per issued instruction) of each prefill GEMM1 variant.
   for v in default ws; do
     k=prefill_gemm1; [ $v = ws ] && k=prefill_ws_gemm1
-    FP4MOE_PREFILL_KERNEL=$v "$ncu" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active" \
+    FP4MOE_PREFILL_KERNEL=$v "$ncu" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
       -k regex:$k --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano --tokens 4096 --backend cuda --iterations 1 > $L/ncu-stalls-$v.txt 2>&1
     echo "== stalls $v ($k)"; grep -E "stalled|duration|pipe_tensor|issue_active|==ERR|error" $L/ncu-stalls-$v.txt | awk '$NF+0 > 0.05 || /duration|pipe|issue_active|ERR|error/' | head -40
   done
