@@ -95,6 +95,14 @@ if has paths; then
     FP4MOE_GEMM_PATH=$path .gpu/fp4moe bench --preset nemotron3-nano --tokens 16,32,64,128,256,512,1024 --backend cuda 2>&1 | tail -9 | tee -a $L/paths.txt
   done
 fi
+if has tiles; then
+  # Decode kernels against both prefill tile sizes across the middle of the token range.
+  for v in decode:0 prefill:32 prefill:128; do
+    echo "== FP4MOE_GEMM_PATH=${v%:*} FP4MOE_PREFILL_TILE=${v#*:}"
+    FP4MOE_GEMM_PATH=${v%:*} FP4MOE_PREFILL_TILE=${v#*:} .gpu/fp4moe bench --preset ${TILES_PRESET:-nemotron3-nano} \
+      --tokens ${TILES_TOKENS:-8,16,32,64,128,256,512,1024,2048} --backend cuda 2>&1 | tail -10 | tee -a $L/tiles.txt
+  done
+fi
 if has bench; then
   for preset in nemotron3-nano qwen3-30b-a3b; do
     for mode in ${BENCH_MODES:-w4a16 w4a4}; do

@@ -39,6 +39,8 @@
 
 #define PF_THREADS 256
 #define PF_NT 128
+#define PF_NT_SMALL 32
+#define PF_SMALL_BLOCKS 2  // three (80 registers) make ptxas serialize the wgmmas (C7512)
 #define PF_STAGES 5
 #define PF_AHEAD (PF_STAGES - 2)
 #define PF_B_BYTES (PF_NT * 128)
@@ -130,6 +132,39 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+__device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[4][4], const u32 a[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[2][4], const u32 a[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// acc += A · B over NC token columns (one m64nNCk16 per warpgroup).
+template <int NC>
+__device__ __forceinline__ void wgmma_rs(float (&d)[NC / 8][4], const u32 a[4], u64 desc_b) {
+    if constexpr (NC == 128) wgmma_m64n128k16_rs(d, a, desc_b);
+    else if constexpr (NC == 64) wgmma_m64n64k16_rs(d, a, desc_b);
+    else if constexpr (NC == 32) wgmma_m64n32k16_rs(d, a, desc_b);
+    else wgmma_m64n16k16_rs(d, a, desc_b);
+}
+
 #endif  // PF_WGMMA
 
 // mma.sync version of one 16-k step: acc[s] += A · B(column tile s) for s < nsub.
@@ -147,6 +182,7 @@ __device__ __forceinline__ void mma_sync_k16(float (&acc)[NSUB][4], const u32 a[
 
 // tile = {expert, first token} of this block's work item (expert -1: none), found by one warp
 // scanning the active experts' tile counts.
+template <int NT>
 __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile) {
     int lane = threadIdx.x & 31, target = blockIdx.y, na = p.num_active[0], run = 0;
     if (lane == 0) tile[0] = -1;
@@ -155,7 +191,7 @@ __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile) {
         int s = c + lane, cnt = 0, e = 0;
         if (s < na) {
             e = p.active[s];
-            cnt = (p.offsets[e + 1] - p.offsets[e] + PF_NT - 1) / PF_NT;
+            cnt = (p.offsets[e + 1] - p.offsets[e] + NT - 1) / NT;
         }
         int incl = cnt;
 #pragma unroll
@@ -166,7 +202,7 @@ __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile) {
         int lo = run + incl - cnt;
         if (cnt > 0 && target >= lo && target < lo + cnt) {
             tile[0] = e;
-            tile[1] = (target - lo) * PF_NT;
+            tile[1] = (target - lo) * NT;
         }
         run += __shfl_sync(FULL_MASK, incl, 31);
     }
@@ -183,11 +219,12 @@ __device__ __forceinline__ bool slot_row_group(const GemmParams& p, int slot, in
     return out < p.rg_out;
 }
 
-// One tile of NC (64 or 128) token columns: the k loop and the epilogue.
-template <bool GATED, int STAGE, int NC>
+// One tile of NC (16, 32, 64 or 128; at most NT) token columns: the k loop and the epilogue.
+template <bool GATED, int STAGE, int NC, int NT>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring, int e, int base,
                                              int n_e, int t0, int nvalid) {
     constexpr int NSUB = NC / 8;
+    constexpr int B_BYTES = NT * 128, STAGE_BYTES = B_BYTES + PF_W_BYTES + PF_S_BYTES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u8* wdata_e = p.wdata + (size_t)e * p.rg_w * p.kg * 512;
     const u8* wscales_e = p.wscales + (size_t)e * p.rg_w * p.kg * 64;
@@ -195,7 +232,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     // Copies of a chunk: NC·8 activation pieces, then 16 x 32 data and 16 x 4 scale pieces of
     // weights. Each thread's pieces are the same every chunk but for a k offset, so their
     // sources are resolved once here (a chunk then costs an add and a cp.async per piece).
-    constexpr int A_COPIES = NC * 8 / PF_THREADS;
+    constexpr int A_PIECES = NC * 8, A_COPIES = (A_PIECES + PF_THREADS - 1) / PF_THREADS;
     constexpr int W_PIECES = 16 * 36;
     constexpr int W_COPIES = (W_PIECES + PF_THREADS - 1) / PF_THREADS;
     const __nv_bfloat16* a_src[A_COPIES];
@@ -203,7 +240,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 #pragma unroll
     for (int r = 0; r < A_COPIES; r++) {
         int i = tid + r * PF_THREADS;
-        int n = ((i >> 6) << 3) | (i & 7), row = srow[n];
+        int n = ((i >> 6) << 3) | (i & 7), row = i < A_PIECES ? srow[n] : -1;
         a_col[r] = row >= 0 ? ((i >> 3) & 7) * 8 : p.k;
         a_src[r] = p.act + (size_t)max(row, 0) * p.k + ((i >> 3) & 7) * 8;
     }
@@ -215,19 +252,20 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         bool ok = i < W_PIECES && slot_row_group<GATED>(p, slot, blockIdx.x, &rg);
         if (piece < 32) {
             w_src[r] = wdata_e + (size_t)rg * p.kg * 512 + piece * 16;
-            w_dst[r] = PF_B_BYTES + slot * 512 + piece * 16;
+            w_dst[r] = B_BYTES + slot * 512 + piece * 16;
             w_step[r] = ok ? 512 : 0;
         } else {
             w_src[r] = wscales_e + (size_t)rg * p.kg * 64 + (piece - 32) * 16;
-            w_dst[r] = PF_B_BYTES + PF_W_BYTES + slot * 64 + (piece - 32) * 16;
+            w_dst[r] = B_BYTES + PF_W_BYTES + slot * 64 + (piece - 32) * 16;
             w_step[r] = ok ? 64 : 0;
         }
         if (i >= W_PIECES) w_dst[r] = 0xFFFFFFFFu;
     }
     auto stage_chunk = [&](int c) {
-        unsigned char* dst = ring + (c % PF_STAGES) * PF_STAGE_BYTES;
+        unsigned char* dst = ring + (c % PF_STAGES) * STAGE_BYTES;
 #pragma unroll
         for (int r = 0; r < A_COPIES; r++) {
+            if (A_PIECES % PF_THREADS != 0 && tid + r * PF_THREADS >= A_PIECES) continue;
             bool ok = a_col[r] + c * 64 < p.k;
             cp_async16(dst + (tid + r * PF_THREADS) * 16, ok ? a_src[r] + c * 64 : p.act, ok ? 16 : 0);
         }
@@ -258,11 +296,11 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         __syncthreads();
         if (c + PF_AHEAD < p.kg) stage_chunk(c + PF_AHEAD);
         cp_async_commit();  // possibly empty: one group per chunk
-        const unsigned char* stage = ring + (c % PF_STAGES) * PF_STAGE_BYTES;
-        const uint4 d0 = *reinterpret_cast<const uint4*>(stage + PF_B_BYTES + warp * 512 + lane * 16);
-        const uint4 d1 = *reinterpret_cast<const uint4*>(stage + PF_B_BYTES + (8 + warp) * 512 + lane * 16);
-        const uint2 s0 = *reinterpret_cast<const uint2*>(stage + PF_B_BYTES + PF_W_BYTES + warp * 64 + g * 8);
-        const uint2 s1 = *reinterpret_cast<const uint2*>(stage + PF_B_BYTES + PF_W_BYTES + (8 + warp) * 64 + g * 8);
+        const unsigned char* stage = ring + (c % PF_STAGES) * STAGE_BYTES;
+        const uint4 d0 = *reinterpret_cast<const uint4*>(stage + B_BYTES + warp * 512 + lane * 16);
+        const uint4 d1 = *reinterpret_cast<const uint4*>(stage + B_BYTES + (8 + warp) * 512 + lane * 16);
+        const uint2 s0 = *reinterpret_cast<const uint2*>(stage + B_BYTES + PF_W_BYTES + warp * 64 + g * 8);
+        const uint2 s1 = *reinterpret_cast<const uint2*>(stage + B_BYTES + PF_W_BYTES + (8 + warp) * 64 + g * 8);
         u32 sc0[4], sc1[4];  // scales_to_bf16x2 of rows g (h = 0, 1) and g + 8 of both slots
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -280,13 +318,8 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 #if PF_WGMMA
             wgmma_fence();
             u64 desc = smem_desc(stage + j * 256);
-            if constexpr (NC == 128) {
-                wgmma_m64n128k16_rs(acc0, x0, desc);
-                wgmma_m64n128k16_rs(acc1, x1, desc);
-            } else {
-                wgmma_m64n64k16_rs(acc0, x0, desc);
-                wgmma_m64n64k16_rs(acc1, x1, desc);
-            }
+            wgmma_rs<NC>(acc0, x0, desc);
+            wgmma_rs<NC>(acc1, x1, desc);
             wgmma_commit();
             wgmma_wait<1>();
 #else
@@ -315,28 +348,30 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     }
 }
 
-template <bool GATED, int STAGE>
+// NT-token tiles (PF_NT or PF_NT_SMALL): the tile's rows, then the narrowest column count that
+// holds its tokens (NT or NT / 2).
+template <bool GATED, int STAGE, int NT>
 __device__ __forceinline__ void prefill_body(const GemmParams& p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     int* srow = reinterpret_cast<int*>(smem_raw);  // activation row of each tile column, -1: none
-    int* tile = srow + PF_NT;
+    int* tile = srow + NT;
     unsigned char* ring = smem_raw + PF_RING_OFFSET;
 
     const int tid = threadIdx.x, warp = tid >> 5;
-    if (warp == 0) find_tile(p, tile);
+    if (warp == 0) find_tile<NT>(p, tile);
     __syncthreads();
     const int e = tile[0];
     if (e < 0) return;  // block-uniform
     const int t0 = tile[1];
     const int base = p.offsets[e], n_e = p.offsets[e + 1] - base;
-    const int nvalid = min(PF_NT, n_e - t0);
-    for (int i = tid; i < PF_NT; i += PF_THREADS)
+    const int nvalid = min(NT, n_e - t0);
+    for (int i = tid; i < NT; i += PF_THREADS)
         srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
     __syncthreads();
-    if (nvalid > 64)
-        prefill_tile<GATED, STAGE, 128>(p, srow, ring, e, base, n_e, t0, nvalid);
+    if (nvalid > NT / 2)
+        prefill_tile<GATED, STAGE, NT, NT>(p, srow, ring, e, base, n_e, t0, nvalid);
     else
-        prefill_tile<GATED, STAGE, 64>(p, srow, ring, e, base, n_e, t0, nvalid);
+        prefill_tile<GATED, STAGE, NT / 2, NT>(p, srow, ring, e, base, n_e, t0, nvalid);
 }
 
 // ---- Warp-specialized variant (work in progress: compiled, not yet run on a GPU) ----------
@@ -479,7 +514,7 @@ __device__ __forceinline__ void ws_body(const GemmParams& p) {
     u64* empty = full + PF_STAGES;
     unsigned char* ring = smem_raw + PF_RING_OFFSET;
     const int tid = threadIdx.x;
-    if (tid < 32) find_tile(p, tile);
+    if (tid < 32) find_tile<PF_NT>(p, tile);
     if (tid == 32) {
         for (int s = 0; s < PF_STAGES; s++) {
             mbar_init(&full[s], 128);  // every producer thread's cp.async arrive
@@ -516,10 +551,15 @@ PREFILL_WS(prefill_ws_gemm1_gated, true, 1)
 PREFILL_WS(prefill_ws_gemm1_plain, false, 1)
 PREFILL_WS(prefill_ws_gemm2, false, 2)
 
-#define PREFILL(NAME, GATED, STAGE)                                                             \
-    extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) NAME(const GemmParams p) { \
-        prefill_body<GATED, STAGE>(p);                                                          \
+#define PREFILL(NAME, GATED, STAGE, NT, BLOCKS)                                                      \
+    extern "C" __global__ void __launch_bounds__(PF_THREADS, BLOCKS) NAME(const GemmParams p) { \
+        prefill_body<GATED, STAGE, NT>(p);                                                           \
     }
-PREFILL(prefill_gemm1_gated, true, 1)
-PREFILL(prefill_gemm1_plain, false, 1)
-PREFILL(prefill_gemm2, false, 2)
+PREFILL(prefill_gemm1_gated, true, 1, PF_NT, 1)
+PREFILL(prefill_gemm1_plain, false, 1, PF_NT, 1)
+PREFILL(prefill_gemm2, false, 2, PF_NT, 1)
+// Small tiles for a few to a few tens of tokens per expert: the weights stream through
+// PF_SMALL_BLOCKS blocks per SM.
+PREFILL(prefill_small_gemm1_gated, true, 1, PF_NT_SMALL, PF_SMALL_BLOCKS)
+PREFILL(prefill_small_gemm1_plain, false, 1, PF_NT_SMALL, PF_SMALL_BLOCKS)
+PREFILL(prefill_small_gemm2, false, 2, PF_NT_SMALL, PF_SMALL_BLOCKS)

@@ -59,6 +59,9 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "prefill_gemm1_gated",
             "prefill_gemm1_plain",
             "prefill_gemm2",
+            "prefill_small_gemm1_gated",
+            "prefill_small_gemm1_plain",
+            "prefill_small_gemm2",
             "prefill_ws_gemm1_gated",
             "prefill_ws_gemm1_plain",
             "prefill_ws_gemm2",
@@ -369,10 +372,10 @@ pub fn serialized_wgmma(log: &str) -> Vec<String> {
     log.lines()
         .filter(|l| l.contains("wgmma.mma_async instructions are serialized"))
         .map(|l| {
-            l.split("in the function '")
+            l.split("function '")
                 .nth(1)
                 .and_then(|rest| rest.split('\'').next())
-                .unwrap_or("?")
+                .unwrap_or(l.trim())
                 .to_string()
         })
         .collect()
@@ -417,6 +420,8 @@ mod tests {
                    ptxas info    : Used 190 registers\n";
         assert_eq!(serialized_wgmma(log), vec!["prefill_gemm2".to_string()]);
         assert!(serialized_wgmma("ptxas info    : Used 190 registers\n").is_empty());
+        let log = "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'prefill_small_gemm2'\n";
+        assert_eq!(serialized_wgmma(log), vec!["prefill_small_gemm2".to_string()]);
     }
 
     #[test]
@@ -434,15 +439,21 @@ mod tests {
                 .unwrap_or_else(|| panic!("{name} not defined"));
             line.split_whitespace().nth(2).unwrap().parse().unwrap()
         };
-        let (nt, stages, ring) = (
-            define("PF_NT"),
-            define("PF_STAGES"),
-            define("PF_RING_OFFSET"),
+        let (stages, ring) = (define("PF_STAGES"), define("PF_RING_OFFSET"));
+        for (tile, nt) in [
+            (super::super::PrefillTile::Large, define("PF_NT")),
+            (super::super::PrefillTile::Small, define("PF_NT_SMALL")),
+        ] {
+            assert_eq!(tile.tokens(), nt);
+            let stage = nt * 128 + 16 * 512 + 16 * 64;
+            assert_eq!(tile.shared_bytes(), ring + stages * stage, "{tile:?}");
+            // The row table and the tile fit below the ring.
+            assert!(4 * (nt + 2) <= ring);
+        }
+        assert_eq!(
+            super::super::PrefillTile::Small.blocks_per_sm(),
+            define("PF_SMALL_BLOCKS")
         );
-        let stage = nt * 128 + 16 * 512 + 16 * 64;
-        assert_eq!(super::super::PREFILL_SMEM, ring + stages * stage);
-        // The row table and the tile fit below the ring.
-        assert!(4 * (nt + 2) <= ring);
     }
 
     #[test]

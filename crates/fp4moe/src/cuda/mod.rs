@@ -407,7 +407,8 @@ const ROUTER_TILED_FROM: usize = 1024;
 pub enum GemmPath {
     /// `expert_gemm.cu`: split-K mma.sync streaming, for few tokens per expert.
     Decode,
-    /// `prefill_gemm.cu`: 256-row x 128-token tensor-core tiles (wgmma on sm_90a).
+    /// `prefill_gemm.cu`: 256-row tensor-core tiles (wgmma on sm_90a) of 32 or 128 tokens
+    /// ([`PrefillTile`]).
     Prefill,
 }
 
@@ -415,9 +416,63 @@ pub enum GemmPath {
 /// docs/KERNEL_NOTES.md).
 pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 16;
 
-/// Dynamic shared memory of a prefill block (`prefill_gemm.cu`: 1 KB of row table, then 5 ring
-/// stages of 16 KB activations + 9 KB weights).
-pub const PREFILL_SMEM: usize = 1024 + 5 * (128 * 128 + 16 * 512 + 16 * 64);
+/// Mean tokens per expert from which the prefill path uses 128-token tiles.
+pub const PREFILL_LARGE_TILE_FROM: usize = 32;
+
+/// Token-tile size of the prefill kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillTile {
+    /// `prefill_small_*`: 32-token tiles, two blocks per SM streaming the weights.
+    Small,
+    /// `prefill_gemm*`: 128-token tiles, one block per SM.
+    Large,
+}
+
+impl PrefillTile {
+    /// `FP4MOE_PREFILL_TILE=32|128` (a benchmark knob), else by mean tokens per expert.
+    fn choose(pairs: usize, experts: usize) -> Self {
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        match tuning_knob(&KNOB, "FP4MOE_PREFILL_TILE") {
+            Some("32") => PrefillTile::Small,
+            Some("128") => PrefillTile::Large,
+            _ if pairs / experts.max(1) >= PREFILL_LARGE_TILE_FROM => PrefillTile::Large,
+            _ => PrefillTile::Small,
+        }
+    }
+
+    /// Tokens per tile (`PF_NT`, `PF_NT_SMALL`).
+    pub const fn tokens(self) -> usize {
+        match self {
+            PrefillTile::Small => 32,
+            PrefillTile::Large => 128,
+        }
+    }
+
+    /// Blocks per SM the kernels are built for (`__launch_bounds__`).
+    pub const fn blocks_per_sm(self) -> usize {
+        match self {
+            PrefillTile::Small => 2,
+            PrefillTile::Large => 1,
+        }
+    }
+
+    /// Dynamic shared memory of a block: 1 KB of row table, then 5 ring stages of the tile's
+    /// activations (128 bytes per token) and 9 KB of weights.
+    pub const fn shared_bytes(self) -> usize {
+        1024 + 5 * (self.tokens() * 128 + 16 * 512 + 16 * 64)
+    }
+
+    /// Kernel-name prefix.
+    fn prefix(self) -> &'static str {
+        match self {
+            PrefillTile::Small => "prefill_small_",
+            PrefillTile::Large => "prefill_",
+        }
+    }
+}
+
+/// Dynamic shared memory of the largest prefill block; the prefill path needs it.
+pub const PREFILL_SMEM: usize = PrefillTile::Large.shared_bytes();
 
 impl GemmPath {
     /// `FP4MOE_GEMM_PATH=decode|prefill`, a benchmark knob.
@@ -769,16 +824,15 @@ impl CudaLayer {
         pairs: usize,
         slots: usize,
     ) -> Result<()> {
+        let tile = PrefillTile::choose(pairs, slots);
         // FP4MOE_PREFILL_KERNEL=ws: the warp-specialized variant (sm_90a only; work in progress).
-        let ws = self.dev.arch == "sm_90a"
+        let ws = tile == PrefillTile::Large
+            && self.dev.arch == "sm_90a"
             && std::env::var("FP4MOE_PREFILL_KERNEL").as_deref() == Ok("ws");
-        let name = if ws {
-            name.replacen("prefill_", "prefill_ws_", 1)
-        } else {
-            name.to_string()
-        };
+        let prefix = if ws { "prefill_ws_" } else { tile.prefix() };
+        let name = format!("{prefix}{name}");
         let rows_per_block = if name.ends_with("gated") { 8 } else { 16 };
-        let tiles = pairs.div_ceil(128) + slots;
+        let tiles = pairs.div_ceil(tile.tokens()) + slots;
         if tiles > 65_535 {
             return Err(Error::Unsupported {
                 backend: "cuda".into(),
@@ -790,7 +844,7 @@ impl CudaLayer {
         let cfg = LaunchConfig {
             grid_dim: (rg_out.div_ceil(rows_per_block) as u32, tiles as u32, 1),
             block_dim: (if ws { 384 } else { 256 }, 1, 1),
-            shared_mem_bytes: PREFILL_SMEM as u32,
+            shared_mem_bytes: tile.shared_bytes() as u32,
         };
         self.launch(&name, cfg, |b| {
             b.arg(&params);
@@ -815,11 +869,7 @@ impl CudaLayer {
         let kind = |proj: &DeviceProjection| if proj.nvfp4 { "nvfp4" } else { "bf16" };
         let (rg1, rg2) = (p1.rg_out as usize, p2.rg_out as usize);
         if path == GemmPath::Prefill && w13.nvfp4 {
-            let name = if gated {
-                "prefill_gemm1_gated"
-            } else {
-                "prefill_gemm1_plain"
-            };
+            let name = if gated { "gemm1_gated" } else { "gemm1_plain" };
             self.prefill_gemm(name, p1, rg1, pairs, slots)?;
         } else {
             let name = format!(
@@ -830,7 +880,7 @@ impl CudaLayer {
             self.gemm(&name, w13, p1, rg1, slots, tokens)?;
         }
         if path == GemmPath::Prefill && w2.nvfp4 {
-            self.prefill_gemm("prefill_gemm2", p2, rg2, pairs, slots)
+            self.prefill_gemm("gemm2", p2, rg2, pairs, slots)
         } else {
             self.gemm(&format!("gemm2_{}", kind(w2)), w2, p2, rg2, slots, tokens)
         }
