@@ -46,11 +46,13 @@ struct GemmParams {
 // where f32 turns subnormal).
 #define NVFP4_DEQ_UNSCALE 256.0f
 
-// bf16x2 of the two codes of byte i of w (low nibble in the low half), times 2^-126; w4 = w >> 4.
-__device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 w, u32 w4, int i) {
-    // byte 1 of r = byte i of w (low code at bits 8..11), byte 3 = byte i of w4 (high code at 24..27).
-    u32 r = __byte_perm(w, w4, 0x4400u + 0x1111u * (u32)i);
-    return ((r >> 2) & 0x01C001C0u) | ((r << 4) & 0x80008000u);
+// bf16x2 of the two codes of byte i of w (low nibble in the low half), times 2^-126; wl = w << 4.
+__device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 wl, u32 w, int i) {
+    // Byte 1 of v = byte i of wl (low code at bits 12..15), byte 3 = byte i of w (high code at
+    // 28..31): each half holds its code s·e1e0m at the top, so the sign is in place and one
+    // shift moves both magnitudes to bits 8..6 (three operations after the permute).
+    u32 v = __byte_perm(wl, w, 0x4400u + 0x1111u * (u32)i);
+    return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u);
 }
 
 // S' = S · 2^118 as bf16x2 for scale bytes 2h and 2h + 1 of `b` (E4M3, sign bit clear), the
@@ -71,11 +73,11 @@ __device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 scg, u32 scg8
     const u32 sel = (j & 1) ? 0x3232u : 0x1010u;
     __nv_bfloat162 s0 = bits_bf16x2(__byte_perm(scg, 0, sel));
     __nv_bfloat162 s1 = bits_bf16x2(__byte_perm(scg8, 0, sel));
-    u32 w4 = word >> 4;
-    a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(word, w4, 0)), s0));
-    a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(word, w4, 1)), s1));
-    a[2] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(word, w4, 2)), s0));
-    a[3] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(word, w4, 3)), s1));
+    u32 wl = word << 4;
+    a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 0)), s0));
+    a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 1)), s1));
+    a[2] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 2)), s0));
+    a[3] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 3)), s1));
 }
 
 // GEMM1 epilogue of one warp: row group rg of expert e (gated: acc = gate, accu = up rows), the

@@ -230,49 +230,53 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     const u8* wscales_e = p.wscales + (size_t)e * p.rg_w * p.kg * 64;
 
     // Copies of a chunk: NC·8 activation pieces, then 16 x 32 data and 16 x 4 scale pieces of
-    // weights. Each thread's pieces are the same every chunk but for a k offset, so their
-    // sources are resolved once here (a chunk then costs an add and a cp.async per piece).
+    // weights. Each thread's pieces are the same every chunk but for a k offset, so each has a
+    // cursor resolved once here and advanced by a fixed step per chunk (chunks are staged in
+    // order): a chunk costs a few adds, no branches and a cp.async per piece.
     constexpr int A_PIECES = NC * 8, A_COPIES = (A_PIECES + PF_THREADS - 1) / PF_THREADS;
     constexpr int W_PIECES = 16 * 36;
     constexpr int W_COPIES = (W_PIECES + PF_THREADS - 1) / PF_THREADS;
-    const __nv_bfloat16* a_src[A_COPIES];
-    int a_col[A_COPIES];  // k of the piece in chunk 0; past K for padding columns
+    const __nv_bfloat16* a_cur[A_COPIES];
+    int a_left[A_COPIES];  // valid k from the piece's column on; <= 0: zero-fill
 #pragma unroll
     for (int r = 0; r < A_COPIES; r++) {
         int i = tid + r * PF_THREADS;
         int n = ((i >> 6) << 3) | (i & 7), row = i < A_PIECES ? srow[n] : -1;
-        a_col[r] = row >= 0 ? ((i >> 3) & 7) * 8 : p.k;
-        a_src[r] = p.act + (size_t)max(row, 0) * p.k + ((i >> 3) & 7) * 8;
+        a_left[r] = row >= 0 ? p.k - ((i >> 3) & 7) * 8 : 0;
+        a_cur[r] = p.act + (size_t)max(row, 0) * p.k + ((i >> 3) & 7) * 8;
     }
-    const u8* w_src[W_COPIES];
-    u32 w_dst[W_COPIES], w_step[W_COPIES];  // stage offset, source bytes per chunk (0: none)
+    const u8* w_cur[W_COPIES];
+    u32 w_dst[W_COPIES], w_step[W_COPIES];  // stage offset, source bytes per chunk (0: zero-fill)
 #pragma unroll
     for (int r = 0; r < W_COPIES; r++) {
         int i = tid + r * PF_THREADS, slot = i / 36, piece = i % 36, rg = 0;
         bool ok = i < W_PIECES && slot_row_group<GATED>(p, slot, blockIdx.x, &rg);
         if (piece < 32) {
-            w_src[r] = wdata_e + (size_t)rg * p.kg * 512 + piece * 16;
+            w_cur[r] = ok ? wdata_e + (size_t)rg * p.kg * 512 + piece * 16 : p.wdata;
             w_dst[r] = B_BYTES + slot * 512 + piece * 16;
             w_step[r] = ok ? 512 : 0;
         } else {
-            w_src[r] = wscales_e + (size_t)rg * p.kg * 64 + (piece - 32) * 16;
+            w_cur[r] = ok ? wscales_e + (size_t)rg * p.kg * 64 + (piece - 32) * 16 : p.wdata;
             w_dst[r] = B_BYTES + PF_W_BYTES + slot * 64 + (piece - 32) * 16;
             w_step[r] = ok ? 64 : 0;
         }
-        if (i >= W_PIECES) w_dst[r] = 0xFFFFFFFFu;
     }
     auto stage_chunk = [&](int c) {
         unsigned char* dst = ring + (c % PF_STAGES) * STAGE_BYTES;
 #pragma unroll
         for (int r = 0; r < A_COPIES; r++) {
             if (A_PIECES % PF_THREADS != 0 && tid + r * PF_THREADS >= A_PIECES) continue;
-            bool ok = a_col[r] + c * 64 < p.k;
-            cp_async16(dst + (tid + r * PF_THREADS) * 16, ok ? a_src[r] + c * 64 : p.act, ok ? 16 : 0);
+            bool ok = a_left[r] > 0;
+            cp_async16(dst + (tid + r * PF_THREADS) * 16, ok ? a_cur[r] : p.act, ok ? 16 : 0);
+            a_cur[r] += 64;
+            a_left[r] -= 64;
         }
 #pragma unroll
         for (int r = 0; r < W_COPIES; r++) {
-            if (w_dst[r] != 0xFFFFFFFFu)
-                cp_async16(dst + w_dst[r], w_step[r] ? w_src[r] + (size_t)c * w_step[r] : p.wdata, w_step[r] ? 16 : 0);
+            // Warp-uniform: the last round's pieces belong to the first warps only.
+            if (W_PIECES % PF_THREADS != 0 && tid + r * PF_THREADS >= W_PIECES) continue;
+            cp_async16(dst + w_dst[r], w_cur[r], w_step[r] ? 16 : 0);
+            w_cur[r] += w_step[r];
         }
     };
 

@@ -413,10 +413,11 @@ pub enum GemmPath {
 }
 
 /// Mean tokens per expert from which the prefill kernels take over (measured crossover,
-/// docs/KERNEL_NOTES.md).
-pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 16;
+/// docs/KERNEL_NOTES.md run 15).
+pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
 
-/// Mean tokens per expert from which the prefill path uses 128-token tiles.
+/// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
+/// tiles are faster at 24, slower at 48; run 15).
 pub const PREFILL_LARGE_TILE_FROM: usize = 32;
 
 /// Token-tile size of the prefill kernels.
@@ -429,14 +430,34 @@ pub enum PrefillTile {
 }
 
 impl PrefillTile {
-    /// `FP4MOE_PREFILL_TILE=32|128` (a benchmark knob), else by mean tokens per expert.
-    fn choose(pairs: usize, experts: usize) -> Self {
+    /// `FP4MOE_PREFILL_TILE=32|128`, a benchmark knob.
+    fn from_env() -> Option<Self> {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         match tuning_knob(&KNOB, "FP4MOE_PREFILL_TILE") {
-            Some("32") => PrefillTile::Small,
-            Some("128") => PrefillTile::Large,
-            _ if pairs / experts.max(1) >= PREFILL_LARGE_TILE_FROM => PrefillTile::Large,
-            _ => PrefillTile::Small,
+            Some("32") => Some(PrefillTile::Small),
+            Some("128") => Some(PrefillTile::Large),
+            _ => None,
+        }
+    }
+
+    /// The tile for `pairs` pairs over `experts` experts: `forced` when given, else 128-token
+    /// tiles from [`PREFILL_LARGE_TILE_FROM`] mean tokens per expert; 32-token tiles whenever
+    /// the device lacks the large tiles' shared memory (sm_86/89's 99 KB).
+    pub fn choose(
+        pairs: usize,
+        experts: usize,
+        max_shared_bytes: usize,
+        forced: Option<Self>,
+    ) -> Self {
+        let wanted = forced.unwrap_or(if pairs / experts.max(1) >= PREFILL_LARGE_TILE_FROM {
+            PrefillTile::Large
+        } else {
+            PrefillTile::Small
+        });
+        if wanted.shared_bytes() <= max_shared_bytes {
+            wanted
+        } else {
+            PrefillTile::Small
         }
     }
 
@@ -471,8 +492,8 @@ impl PrefillTile {
     }
 }
 
-/// Dynamic shared memory of the largest prefill block; the prefill path needs it.
-pub const PREFILL_SMEM: usize = PrefillTile::Large.shared_bytes();
+/// Dynamic shared memory of the smallest prefill block; the prefill path needs it.
+pub const PREFILL_SMEM: usize = PrefillTile::Small.shared_bytes();
 
 impl GemmPath {
     /// `FP4MOE_GEMM_PATH=decode|prefill`, a benchmark knob.
@@ -487,7 +508,7 @@ impl GemmPath {
 
     /// The path for `pairs` routed pairs over `experts` experts: `forced` when given, else
     /// prefill from [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert; decode whenever
-    /// the device lacks the prefill kernels' shared memory (sm_86/89's 99 KB).
+    /// the device lacks even the small prefill tiles' shared memory.
     pub fn choose(
         pairs: usize,
         experts: usize,
@@ -824,7 +845,12 @@ impl CudaLayer {
         pairs: usize,
         slots: usize,
     ) -> Result<()> {
-        let tile = PrefillTile::choose(pairs, slots);
+        let tile = PrefillTile::choose(
+            pairs,
+            slots,
+            self.dev.max_shared_bytes,
+            PrefillTile::from_env(),
+        );
         // FP4MOE_PREFILL_KERNEL=ws: the warp-specialized variant (sm_90a only; work in progress).
         let ws = tile == PrefillTile::Large
             && self.dev.arch == "sm_90a"
@@ -1206,21 +1232,14 @@ mod tests {
     #[test]
     fn gemm_path_follows_tokens_per_expert_and_shared_memory() {
         let h200 = 227 * 1024;
-        // Nemotron-3 Nano (E 128, top-6): 256 tokens = 12 per expert, 512 = 24.
-        assert_eq!(GemmPath::choose(256 * 6, 128, h200, None), GemmPath::Decode);
-        assert_eq!(
-            GemmPath::choose(512 * 6, 128, h200, None),
-            GemmPath::Prefill
-        );
-        // Exactly the threshold takes prefill (Qwen3: 256 tokens x top-8 / 128 = 16).
-        assert_eq!(
-            GemmPath::choose(256 * 8, 128, h200, None),
-            GemmPath::Prefill
-        );
+        // Nemotron-3 Nano (E 128, top-6): 32 tokens = 1.5 per expert, 64 = 3.
+        assert_eq!(GemmPath::choose(32 * 6, 128, h200, None), GemmPath::Decode);
+        // Exactly the threshold takes prefill.
+        assert_eq!(GemmPath::choose(64 * 6, 128, h200, None), GemmPath::Prefill);
         // A shared expert is one expert holding every token.
-        assert_eq!(GemmPath::choose(15, 1, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(16, 1, h200, None), GemmPath::Prefill);
-        // Forced either way, but never prefill without its shared memory (sm_89: 99 KB).
+        assert_eq!(GemmPath::choose(2, 1, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(3, 1, h200, None), GemmPath::Prefill);
+        // Forced either way.
         let forced = Some(GemmPath::Prefill);
         assert_eq!(GemmPath::choose(1, 128, h200, forced), GemmPath::Prefill);
         let forced = Some(GemmPath::Decode);
@@ -1228,16 +1247,31 @@ mod tests {
             GemmPath::choose(1 << 20, 128, h200, forced),
             GemmPath::Decode
         );
+        // sm_86/89 (99 KB) run the small tiles; nothing smaller than them runs prefill.
         let sm89 = 99 * 1024;
+        assert_eq!(GemmPath::choose(1 << 20, 128, sm89, None), GemmPath::Prefill);
+        let tiny = PREFILL_SMEM - 1;
         assert_eq!(
-            GemmPath::choose(1 << 20, 128, sm89, Some(GemmPath::Prefill)),
+            GemmPath::choose(1 << 20, 128, tiny, Some(GemmPath::Prefill)),
             GemmPath::Decode
         );
-        // A100 (163 KB) has room.
-        assert_eq!(
-            GemmPath::choose(1 << 20, 128, 163 * 1024, None),
-            GemmPath::Prefill
-        );
         assert_eq!(GemmPath::choose(0, 0, h200, None), GemmPath::Decode);
+    }
+
+    #[test]
+    fn prefill_tile_follows_tokens_per_expert_and_shared_memory() {
+        let (h200, sm89) = (227 * 1024, 99 * 1024);
+        // Nemotron-3 Nano: 512 tokens = 24 per expert, 1024 = 48.
+        let tile = |pairs, smem, forced| PrefillTile::choose(pairs, 128, smem, forced);
+        assert_eq!(tile(512 * 6, h200, None), PrefillTile::Small);
+        assert_eq!(tile(1024 * 6, h200, None), PrefillTile::Large);
+        assert_eq!(tile(32 * 128, h200, None), PrefillTile::Large);
+        assert_eq!(tile(1024 * 6, sm89, None), PrefillTile::Small);
+        let forced = Some(PrefillTile::Large);
+        assert_eq!(tile(6, h200, forced), PrefillTile::Large);
+        assert_eq!(tile(6, sm89, forced), PrefillTile::Small);
+        assert_eq!(tile(1 << 20, h200, Some(PrefillTile::Small)), PrefillTile::Small);
+        // A100 (163 KB) holds a large tile.
+        assert_eq!(tile(1 << 20, 163 * 1024, None), PrefillTile::Large);
     }
 }
