@@ -4,7 +4,7 @@
 # PyTorch bf16 peer on the same presets. Run from the repo root on the GPU machine after
 # ../shared/tools/gpu-stage. Logs go to $OUT/logs/ as they are written (a run cut short by the
 # time limit still returns them), benchmark JSON beside them.
-# usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [shapes] [paths] [bench] [torch]
+# usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [stalls] [shapes] [paths] [tiles] [bench] [torch]
 # (default: all but prefill-tests, which tests covers)
 # NCU_TOKENS (default "1 64 256") picks the ncu batch sizes, BENCH_MODES (default "w4a16 w4a4")
 # the bench modes, SAN_BINS / SAN_FILTER the sanitized test executables and cuda_device filter.
@@ -68,19 +68,14 @@ if has detail && [ -n "$ncu" ]; then
     --tokens 4096 --backend cuda --iterations 1 > $L/ncu-prefill-full.txt 2>&1
   grep -E "Duration|Throughput|Issue Slots|Issued Ipc|Pipe|Stall|Warp Cycles|Eligible|Active Warps|Bank|Registers|L2 Hit|Executed Ipc|No Eligible|One or More|Theoretical Occ|Achieved Occ|smsp__pcsamp" $L/ncu-prefill-full.txt | head -90
 fi
-if has ws; then
-  # The warp-specialized prefill variant (branch wip/prefill-ws): correctness, then speed.
-  FP4MOE_PREFILL_KERNEL=ws .gpu/tests/cuda_device-* --test-threads=1 --nocapture prefill_golden prefill_nemotron graph_capture > $L/tests-ws.txt 2>&1
-  echo "ws prefill tests: rc=$?"; grep -E "panicked|rel err|test result" $L/tests-ws.txt | tail -12
-  FP4MOE_PREFILL_KERNEL=ws .gpu/fp4moe bench --preset nemotron3-nano --tokens 1024,4096,16384 --backend cuda 2>&1 | tail -4
-fi
 if has stalls && [ -n "$ncu" ]; then
-  # Per-reason stall ratios (warps stalled per issued instruction) of each prefill GEMM1 variant.
-  for v in default ws; do
-    k=prefill_gemm1; [ $v = ws ] && k=prefill_ws_gemm1
-    FP4MOE_PREFILL_KERNEL=$v "$ncu" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
-      -k regex:$k --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano --tokens 4096 --backend cuda --iterations 1 > $L/ncu-stalls-$v.txt 2>&1
-    echo "== stalls $v ($k)"; grep -E "stalled|duration|pipe_tensor|issue_active|==ERR|error" $L/ncu-stalls-$v.txt | awk '$NF+0 > 0.05 || /duration|pipe|issue_active|ERR|error/' | head -40
+  # Per-reason stall ratios (warps stalled per issued instruction) of the prefill GEMM1 kernels
+  # (large tiles at T=4096, small tiles at T=256).
+  for v in 4096:prefill_gemm1 256:prefill_small_gemm1; do
+    t=${v%:*} k=${v#*:}
+    "$ncu" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
+      -k regex:$k --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano --tokens $t --backend cuda --iterations 1 > $L/ncu-stalls-$t.txt 2>&1
+    echo "== stalls $k T=$t"; grep -E "stalled|duration|pipe_tensor|issue_active|==ERR|error" $L/ncu-stalls-$t.txt | awk '$NF+0 > 0.05 || /duration|pipe|issue_active|ERR|error/' | head -40
   done
 fi
 if has shapes; then

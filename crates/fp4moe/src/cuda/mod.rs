@@ -851,12 +851,7 @@ impl CudaLayer {
             self.dev.max_shared_bytes,
             PrefillTile::from_env(),
         );
-        // FP4MOE_PREFILL_KERNEL=ws: the warp-specialized variant (sm_90a only; work in progress).
-        let ws = tile == PrefillTile::Large
-            && self.dev.arch == "sm_90a"
-            && std::env::var("FP4MOE_PREFILL_KERNEL").as_deref() == Ok("ws");
-        let prefix = if ws { "prefill_ws_" } else { tile.prefix() };
-        let name = format!("{prefix}{name}");
+        let name = format!("{}{name}", tile.prefix());
         let rows_per_block = if name.ends_with("gated") { 8 } else { 16 };
         let tiles = pairs.div_ceil(tile.tokens()) + slots;
         if tiles > 65_535 {
@@ -869,7 +864,7 @@ impl CudaLayer {
         }
         let cfg = LaunchConfig {
             grid_dim: (rg_out.div_ceil(rows_per_block) as u32, tiles as u32, 1),
-            block_dim: (if ws { 384 } else { 256 }, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: tile.shared_bytes() as u32,
         };
         self.launch(&name, cfg, |b| {
@@ -1249,7 +1244,10 @@ mod tests {
         );
         // sm_86/89 (99 KB) run the small tiles; nothing smaller than them runs prefill.
         let sm89 = 99 * 1024;
-        assert_eq!(GemmPath::choose(1 << 20, 128, sm89, None), GemmPath::Prefill);
+        assert_eq!(
+            GemmPath::choose(1 << 20, 128, sm89, None),
+            GemmPath::Prefill
+        );
         let tiny = PREFILL_SMEM - 1;
         assert_eq!(
             GemmPath::choose(1 << 20, 128, tiny, Some(GemmPath::Prefill)),
@@ -1270,7 +1268,10 @@ mod tests {
         let forced = Some(PrefillTile::Large);
         assert_eq!(tile(6, h200, forced), PrefillTile::Large);
         assert_eq!(tile(6, sm89, forced), PrefillTile::Small);
-        assert_eq!(tile(1 << 20, h200, Some(PrefillTile::Small)), PrefillTile::Small);
+        assert_eq!(
+            tile(1 << 20, h200, Some(PrefillTile::Small)),
+            PrefillTile::Small
+        );
         // A100 (163 KB) holds a large tile.
         assert_eq!(tile(1 << 20, 163 * 1024, None), PrefillTile::Large);
     }
