@@ -1,7 +1,9 @@
 // Expert GEMMs of the prefill path (tens to thousands of tokens per expert) on tensor-core tiles.
 // Formulas and epilogues are gemm_common.cuh's, the packed NVFP4 weight layout expert_gemm.cu's.
 //
-// Tile: a block of two warpgroups owns 256 weight rows x up to PF_NT = 128 tokens of one expert.
+// Tile: a block of two warpgroups owns 256 weight rows x up to NT tokens of one expert: PF_NT =
+// 128 (prefill_gemm*, one block per SM) or PF_NT_SMALL = 32 (prefill_small_*, PF_SMALL_BLOCKS
+// blocks per SM, for a few to a few tens of tokens per expert).
 // Warp w (warpgroup w / 4, index w % 4 in it) computes two 16-row groups (halves h = 0, 1):
 // gated, a g row group's gate rows (h = 0) and its up rows (h = 1, I/16 row groups further), so
 // a block covers 128 rows of g; non-gated, row groups 16·bx + 8·(w / 4) + 4·h + w % 4, 256
