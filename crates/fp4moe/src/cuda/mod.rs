@@ -483,11 +483,33 @@ impl PrefillTile {
         1024 + 5 * (self.tokens() * 128 + 16 * 512 + 16 * 64)
     }
 
-    /// Kernel-name prefix.
-    fn prefix(self) -> &'static str {
+    /// The kernel that runs `gemm` with this tile (static names: no allocation per launch).
+    fn kernel(self, gemm: PrefillGemm) -> &'static str {
+        match (self, gemm) {
+            (PrefillTile::Small, PrefillGemm::Gemm1Gated) => "prefill_small_gemm1_gated",
+            (PrefillTile::Small, PrefillGemm::Gemm1Plain) => "prefill_small_gemm1_plain",
+            (PrefillTile::Small, PrefillGemm::Gemm2) => "prefill_small_gemm2",
+            (PrefillTile::Large, PrefillGemm::Gemm1Gated) => "prefill_gemm1_gated",
+            (PrefillTile::Large, PrefillGemm::Gemm1Plain) => "prefill_gemm1_plain",
+            (PrefillTile::Large, PrefillGemm::Gemm2) => "prefill_gemm2",
+        }
+    }
+}
+
+/// Which prefill GEMM a launch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PrefillGemm {
+    Gemm1Gated,
+    Gemm1Plain,
+    Gemm2,
+}
+
+impl PrefillGemm {
+    /// Output rows of a block: gated GEMM1 blocks hold 128 g rows (their gate and up rows).
+    fn rows_per_block(self) -> usize {
         match self {
-            PrefillTile::Small => "prefill_small_",
-            PrefillTile::Large => "prefill_",
+            PrefillGemm::Gemm1Gated => 8,
+            PrefillGemm::Gemm1Plain | PrefillGemm::Gemm2 => 16,
         }
     }
 }
@@ -839,7 +861,7 @@ impl CudaLayer {
     /// pairs spread over at most `slots` experts.
     fn prefill_gemm(
         &self,
-        name: &str,
+        gemm: PrefillGemm,
         params: GemmParams,
         rg_out: usize,
         pairs: usize,
@@ -851,8 +873,7 @@ impl CudaLayer {
             self.dev.max_shared_bytes,
             PrefillTile::from_env(),
         );
-        let name = format!("{}{name}", tile.prefix());
-        let rows_per_block = if name.ends_with("gated") { 8 } else { 16 };
+        let rows_per_block = gemm.rows_per_block();
         let tiles = pairs.div_ceil(tile.tokens()) + slots;
         if tiles > 65_535 {
             return Err(Error::Unsupported {
@@ -867,7 +888,7 @@ impl CudaLayer {
             block_dim: (256, 1, 1),
             shared_mem_bytes: tile.shared_bytes() as u32,
         };
-        self.launch(&name, cfg, |b| {
+        self.launch(tile.kernel(gemm), cfg, |b| {
             b.arg(&params);
         })
     }
@@ -890,8 +911,12 @@ impl CudaLayer {
         let kind = |proj: &DeviceProjection| if proj.nvfp4 { "nvfp4" } else { "bf16" };
         let (rg1, rg2) = (p1.rg_out as usize, p2.rg_out as usize);
         if path == GemmPath::Prefill && w13.nvfp4 {
-            let name = if gated { "gemm1_gated" } else { "gemm1_plain" };
-            self.prefill_gemm(name, p1, rg1, pairs, slots)?;
+            let gemm = if gated {
+                PrefillGemm::Gemm1Gated
+            } else {
+                PrefillGemm::Gemm1Plain
+            };
+            self.prefill_gemm(gemm, p1, rg1, pairs, slots)?;
         } else {
             let name = format!(
                 "gemm1_{}_{}",
@@ -901,7 +926,7 @@ impl CudaLayer {
             self.gemm(&name, w13, p1, rg1, slots, tokens)?;
         }
         if path == GemmPath::Prefill && w2.nvfp4 {
-            self.prefill_gemm("gemm2", p2, rg2, pairs, slots)
+            self.prefill_gemm(PrefillGemm::Gemm2, p2, rg2, pairs, slots)
         } else {
             self.gemm(&format!("gemm2_{}", kind(w2)), w2, p2, rg2, slots, tokens)
         }
@@ -1274,5 +1299,22 @@ mod tests {
         );
         // A100 (163 KB) holds a large tile.
         assert_eq!(tile(1 << 20, 163 * 1024, None), PrefillTile::Large);
+    }
+
+    #[test]
+    fn prefill_kernels_exist() {
+        let names = compile::kernel_names("prefill_gemm.cu");
+        for tile in [PrefillTile::Small, PrefillTile::Large] {
+            for gemm in [
+                PrefillGemm::Gemm1Gated,
+                PrefillGemm::Gemm1Plain,
+                PrefillGemm::Gemm2,
+            ] {
+                assert!(
+                    names.iter().any(|n| n == tile.kernel(gemm)),
+                    "{tile:?} {gemm:?}"
+                );
+            }
+        }
     }
 }
