@@ -37,6 +37,17 @@ struct GemmParams {
     float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
 };
 
+// 16-byte global → shared copy through the async copy engine (cp.async; src_bytes 0: zero-fill).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Exact NVFP4 → bf16 dequantization in registers, without tables (shared-memory lookups cost
 // bank cycles the tensor cores and the activation staging need). An E2M1 code s·e1e0m placed in bf16 bits 15 and 8..6 reads
 // as its value times 2^-126 (bf16 subnormal for code 1, which bf16 arithmetic keeps); the block

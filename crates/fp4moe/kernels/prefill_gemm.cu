@@ -1,13 +1,17 @@
 // Expert GEMMs of the prefill path (tens to thousands of tokens per expert) on tensor-core tiles.
 // Formulas and epilogues are gemm_common.cuh's, the packed NVFP4 weight layout expert_gemm.cu's.
 //
-// Tile: a block of two warpgroups owns 256 weight rows x up to NT tokens of one expert: PF_NT =
-// 128 (prefill_gemm*, one block per SM) or PF_NT_SMALL = 32 (prefill_small_*, PF_SMALL_BLOCKS
-// blocks per SM, for a few to a few tens of tokens per expert).
-// Warp w (warpgroup w / 4, index w % 4 in it) computes two 16-row groups (halves h = 0, 1):
-// gated, a g row group's gate rows (h = 0) and its up rows (h = 1, I/16 row groups further), so
-// a block covers 128 rows of g; non-gated, row groups 16·bx + 8·(w / 4) + 4·h + w % 4, 256
-// output rows. Every 64-wide k chunk goes through a PF_STAGES-deep cp.async ring in shared
+// Tile: a block owns 16 ring slots of 16 weight rows (256 rows) x up to NT tokens of one expert:
+// PF_NT = 128 (prefill_gemm*, four warpgroups, one block per SM) or PF_NT_SMALL = 32
+// (prefill_small_*, two warpgroups, PF_SMALL_BLOCKS blocks per SM, for a few to a few tens of
+// tokens per expert). Slot s = 8·h + w' (h = 0, 1; w' < 8) holds, gated, the gate rows (h = 0)
+// or the up rows (h = 1, I/16 row groups further) of g row group 8·bx + w', so a block covers
+// 128 rows of g; non-gated, row group 16·bx + 8·(w' / 4) + 4·h + w' % 4, 256 output rows.
+// With HALVES = 1 (large tiles, 16 warps) warp w computes slot w: 16 converting warps per SM
+// hide the dequantization's latency twice as well as 8 (KERNEL_NOTES run 20); gated, the up
+// warps hand their accumulators to the gate warps through shared memory after the k loop.
+// With HALVES = 2 (small tiles, 8 warps, 2 blocks per SM) warp w computes slots w and 8 + w.
+// Every 64-wide k chunk goes through a PF_STAGES-deep cp.async ring in shared
 // memory: the 16 row groups' packed NVFP4 data (512 bytes each, the mma A fragments, see
 // expert_gemm.cu) and scales (64 bytes each), and the tile's activation rows (gathered through
 // the sorted pairs) in the no-swizzle K-major core-matrix layout wgmma reads B from:
@@ -17,7 +21,7 @@
 // fragments back (one 16-byte load per lane each) and dequantizes them in registers without
 // tables (dequant_fragment_alu: products carry 2^-8, undone in the epilogue).
 //
-// sm_90a: per 16 k, one wgmma.m64nNk16 (A from registers, N = 64 or 128) per half, committed
+// sm_90a: per 16 k, one wgmma.m64nNk16 (A from registers, N = 16 to 128) per half, committed
 // together; the next fragments are dequantized while they run (wait_group 1, A double
 // buffered). No wgmma sits in a branch (ptxas would serialize them): row groups past the
 // matrix are zero-filled and computed, not skipped. Other archs: mma.sync m16n8k16 over N/8
@@ -39,7 +43,8 @@
 #define PF_WGMMA 0
 #endif
 
-#define PF_THREADS 256
+#define PF_THREADS 512        // large tiles: 16 warps, one slot each
+#define PF_THREADS_SMALL 256  // small tiles: 8 warps, two slots each
 #define PF_NT 128
 #define PF_NT_SMALL 32
 #define PF_SMALL_BLOCKS 2  // three (80 registers) make ptxas serialize the wgmmas (C7512)
@@ -52,16 +57,6 @@
 #define PF_RING_OFFSET 1024  // below it: the row table and the tile
 
 typedef unsigned long long u64;
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-    u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 #if PF_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -222,10 +217,11 @@ __device__ __forceinline__ bool slot_row_group(const GemmParams& p, int slot, in
 }
 
 // One tile of NC (16, 32, 64 or 128; at most NT) token columns: the k loop and the epilogue.
-template <bool GATED, int STAGE, int NC, int NT>
+// HALVES: slots per warp (1: 16 warps, 2: 8 warps).
+template <bool GATED, int STAGE, int NC, int NT, int HALVES>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring, int e, int base,
                                              int n_e, int t0, int nvalid) {
-    constexpr int NSUB = NC / 8;
+    constexpr int NSUB = NC / 8, WARPS = 16 / HALVES, THREADS = 32 * WARPS;
     constexpr int B_BYTES = NT * 128, STAGE_BYTES = B_BYTES + PF_W_BYTES + PF_S_BYTES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u8* wdata_e = p.wdata + (size_t)e * p.rg_w * p.kg * 512;
@@ -235,14 +231,14 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     // weights. Each thread's pieces are the same every chunk but for a k offset, so each has a
     // cursor resolved once here and advanced by a fixed step per chunk (chunks are staged in
     // order): a chunk costs a few adds, no branches and a cp.async per piece.
-    constexpr int A_PIECES = NC * 8, A_COPIES = (A_PIECES + PF_THREADS - 1) / PF_THREADS;
+    constexpr int A_PIECES = NC * 8, A_COPIES = (A_PIECES + THREADS - 1) / THREADS;
     constexpr int W_PIECES = 16 * 36;
-    constexpr int W_COPIES = (W_PIECES + PF_THREADS - 1) / PF_THREADS;
+    constexpr int W_COPIES = (W_PIECES + THREADS - 1) / THREADS;
     const __nv_bfloat16* a_cur[A_COPIES];
     int a_left[A_COPIES];  // valid k from the piece's column on; <= 0: zero-fill
 #pragma unroll
     for (int r = 0; r < A_COPIES; r++) {
-        int i = tid + r * PF_THREADS;
+        int i = tid + r * THREADS;
         int n = ((i >> 6) << 3) | (i & 7), row = i < A_PIECES ? srow[n] : -1;
         a_left[r] = row >= 0 ? p.k - ((i >> 3) & 7) * 8 : 0;
         a_cur[r] = p.act + (size_t)max(row, 0) * p.k + ((i >> 3) & 7) * 8;
@@ -251,7 +247,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     u32 w_dst[W_COPIES], w_step[W_COPIES];  // stage offset, source bytes per chunk (0: zero-fill)
 #pragma unroll
     for (int r = 0; r < W_COPIES; r++) {
-        int i = tid + r * PF_THREADS, slot = i / 36, piece = i % 36, rg = 0;
+        int i = tid + r * THREADS, slot = i / 36, piece = i % 36, rg = 0;
         bool ok = i < W_PIECES && slot_row_group<GATED>(p, slot, blockIdx.x, &rg);
         if (piece < 32) {
             w_cur[r] = ok ? wdata_e + (size_t)rg * p.kg * 512 + piece * 16 : p.wdata;
@@ -267,27 +263,30 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         unsigned char* dst = ring + (c % PF_STAGES) * STAGE_BYTES;
 #pragma unroll
         for (int r = 0; r < A_COPIES; r++) {
-            if (A_PIECES % PF_THREADS != 0 && tid + r * PF_THREADS >= A_PIECES) continue;
+            if (A_PIECES % THREADS != 0 && tid + r * THREADS >= A_PIECES) continue;
             bool ok = a_left[r] > 0;
-            cp_async16(dst + (tid + r * PF_THREADS) * 16, ok ? a_cur[r] : p.act, ok ? 16 : 0);
+            cp_async16(dst + (tid + r * THREADS) * 16, ok ? a_cur[r] : p.act, ok ? 16 : 0);
             a_cur[r] += 64;
             a_left[r] -= 64;
         }
 #pragma unroll
         for (int r = 0; r < W_COPIES; r++) {
             // Warp-uniform: the last round's pieces belong to the first warps only.
-            if (W_PIECES % PF_THREADS != 0 && tid + r * PF_THREADS >= W_PIECES) continue;
+            if (W_PIECES % THREADS != 0 && tid + r * THREADS >= W_PIECES) continue;
             cp_async16(dst + w_dst[r], w_cur[r], w_step[r] ? 16 : 0);
             w_cur[r] += w_step[r];
         }
     };
 
-    float acc0[NSUB][4], acc1[NSUB][4];
+    // Slot of half h: warp + 8·h (HALVES = 2) or warp (HALVES = 1).
+    float acc[HALVES][NSUB][4];
 #pragma unroll
-    for (int s = 0; s < NSUB; s++)
+    for (int h = 0; h < HALVES; h++)
 #pragma unroll
-        for (int c = 0; c < 4; c++) acc0[s][c] = acc1[s][c] = 0.0f;
-    u32 a0[2][4], a1[2][4];
+        for (int s = 0; s < NSUB; s++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[h][s][c] = 0.0f;
+    u32 frag[HALVES][2][4];
 
 #pragma unroll
     for (int c = 0; c < PF_AHEAD; c++) {
@@ -303,60 +302,92 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         if (c + PF_AHEAD < p.kg) stage_chunk(c + PF_AHEAD);
         cp_async_commit();  // possibly empty: one group per chunk
         const unsigned char* stage = ring + (c % PF_STAGES) * STAGE_BYTES;
-        const uint4 d0 = *reinterpret_cast<const uint4*>(stage + B_BYTES + warp * 512 + lane * 16);
-        const uint4 d1 = *reinterpret_cast<const uint4*>(stage + B_BYTES + (8 + warp) * 512 + lane * 16);
-        const uint2 s0 = *reinterpret_cast<const uint2*>(stage + B_BYTES + PF_W_BYTES + warp * 64 + g * 8);
-        const uint2 s1 = *reinterpret_cast<const uint2*>(stage + B_BYTES + PF_W_BYTES + (8 + warp) * 64 + g * 8);
-        u32 sc0[4], sc1[4];  // scales_to_bf16x2 of rows g (h = 0, 1) and g + 8 of both slots
+        uint4 d[HALVES];
+        u32 sc[HALVES][4];  // scales_to_bf16x2 of rows g (h = 0, 1) and g + 8 of each slot
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            sc0[h] = scales_to_bf16x2(s0.x, h);
-            sc0[2 + h] = scales_to_bf16x2(s0.y, h);
-            sc1[h] = scales_to_bf16x2(s1.x, h);
-            sc1[2 + h] = scales_to_bf16x2(s1.y, h);
+        for (int h = 0; h < HALVES; h++) {
+            const int slot = warp + 8 * h;
+            d[h] = *reinterpret_cast<const uint4*>(stage + B_BYTES + slot * 512 + lane * 16);
+            const uint2 sb = *reinterpret_cast<const uint2*>(stage + B_BYTES + PF_W_BYTES + slot * 64 + g * 8);
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                sc[h][q] = scales_to_bf16x2(sb.x, q);
+                sc[h][2 + q] = scales_to_bf16x2(sb.y, q);
+            }
         }
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            u32* x0 = a0[j & 1];
-            u32* x1 = a1[j & 1];
-            dequant_fragment_alu(word_of(d0, j), sc0[j >> 1], sc0[2 + (j >> 1)], j, x0);
-            dequant_fragment_alu(word_of(d1, j), sc1[j >> 1], sc1[2 + (j >> 1)], j, x1);
+#pragma unroll
+            for (int h = 0; h < HALVES; h++)
+                dequant_fragment_alu(word_of(d[h], j), sc[h][j >> 1], sc[h][2 + (j >> 1)], j, frag[h][j & 1]);
 #if PF_WGMMA
             wgmma_fence();
             u64 desc = smem_desc(stage + j * 256);
-            wgmma_rs<NC>(acc0, x0, desc);
-            wgmma_rs<NC>(acc1, x1, desc);
+#pragma unroll
+            for (int h = 0; h < HALVES; h++) wgmma_rs<NC>(acc[h], frag[h][j & 1], desc);
             wgmma_commit();
             wgmma_wait<1>();
 #else
-            mma_sync_k16<NSUB>(acc0, x0, stage, j);
-            mma_sync_k16<NSUB>(acc1, x1, stage, j);
+#pragma unroll
+            for (int h = 0; h < HALVES; h++) mma_sync_k16<NSUB>(acc[h], frag[h][j & 1], stage, j);
 #endif
         }
     }
 #if PF_WGMMA
     wgmma_wait<0>();
-    fence_acc(acc0);
-    fence_acc(acc1);
+#pragma unroll
+    for (int h = 0; h < HALVES; h++) fence_acc(acc[h]);
 #endif
 
-    int r0, r1;
-    const bool v0 = slot_row_group<GATED>(p, warp, blockIdx.x, &r0);
-    const bool v1 = slot_row_group<GATED>(p, 8 + warp, blockIdx.x, &r1);
     const int nsub_valid = (nvalid + 7) / 8;
-    if (STAGE == 1) {
-        if (v0) store_gemm1<NSUB, GATED>(p, acc0, acc1, e, base, n_e, t0, r0, nsub_valid, NVFP4_DEQ_UNSCALE);
-        if (!GATED && v1)
-            store_gemm1<NSUB, false>(p, acc1, acc1, e, base, n_e, t0, r1, nsub_valid, NVFP4_DEQ_UNSCALE);
-    } else {
-        if (v0) store_gemm2<NSUB>(p, acc0, e, base, n_e, t0, r0, nsub_valid, NVFP4_DEQ_UNSCALE);
-        if (v1) store_gemm2<NSUB>(p, acc1, e, base, n_e, t0, r1, nsub_valid, NVFP4_DEQ_UNSCALE);
+    if (HALVES == 1 && STAGE == 1 && GATED) {
+        // The up warps (slots 8..15) hand their accumulators to the gate warps of the same g
+        // rows through the idle ring, lane-major so both sides are conflict-free.
+        float* xfer = reinterpret_cast<float*>(ring);
+        __syncthreads();  // every warp is done reading the ring
+        if (warp >= 8) {
+#pragma unroll
+            for (int s = 0; s < NSUB; s++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) xfer[(((warp - 8) * NSUB + s) * 4 + c) * 32 + lane] = acc[0][s][c];
+        }
+        __syncthreads();
+        int r0;
+        if (warp < 8 && slot_row_group<true>(p, warp, blockIdx.x, &r0)) {
+            // Four column tiles at a time: a whole second accumulator set would spill.
+            constexpr int SB = NSUB < 4 ? NSUB : 4;
+#pragma unroll
+            for (int b = 0; b < NSUB / SB; b++) {
+                float up[SB][4];
+#pragma unroll
+                for (int s = 0; s < SB; s++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) up[s][c] = xfer[((warp * NSUB + b * SB + s) * 4 + c) * 32 + lane];
+                const float(&gate)[SB][4] = *reinterpret_cast<const float(*)[SB][4]>(&acc[0][b * SB][0]);
+                store_gemm1<SB, true>(p, gate, up, e, base, n_e, t0 + 8 * SB * b, r0, nsub_valid - SB * b,
+                                      NVFP4_DEQ_UNSCALE);
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < HALVES; h++) {
+        int r;
+        const int slot = warp + 8 * h;
+        if (!slot_row_group<GATED>(p, slot, blockIdx.x, &r)) continue;
+        if (STAGE == 1) {
+            // Gated with two halves: half 0 holds the gate rows, half 1 the up rows.
+            if (!GATED) store_gemm1<NSUB, false>(p, acc[h], acc[h], e, base, n_e, t0, r, nsub_valid, NVFP4_DEQ_UNSCALE);
+            else if (h == 0) store_gemm1<NSUB, true>(p, acc[0], acc[HALVES - 1], e, base, n_e, t0, r, nsub_valid, NVFP4_DEQ_UNSCALE);
+        } else {
+            store_gemm2<NSUB>(p, acc[h], e, base, n_e, t0, r, nsub_valid, NVFP4_DEQ_UNSCALE);
+        }
     }
 }
 
 // NT-token tiles (PF_NT or PF_NT_SMALL): the tile's rows, then the narrowest column count that
 // holds its tokens (NT or NT / 2).
-template <bool GATED, int STAGE, int NT>
+template <bool GATED, int STAGE, int NT, int HALVES>
 __device__ __forceinline__ void prefill_body(const GemmParams& p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     int* srow = reinterpret_cast<int*>(smem_raw);  // activation row of each tile column, -1: none
@@ -371,24 +402,24 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p) {
     const int t0 = tile[1];
     const int base = p.offsets[e], n_e = p.offsets[e + 1] - base;
     const int nvalid = min(NT, n_e - t0);
-    for (int i = tid; i < NT; i += PF_THREADS)
+    for (int i = tid; i < NT; i += 512 / HALVES)
         srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
     __syncthreads();
     if (nvalid > NT / 2)
-        prefill_tile<GATED, STAGE, NT, NT>(p, srow, ring, e, base, n_e, t0, nvalid);
+        prefill_tile<GATED, STAGE, NT, NT, HALVES>(p, srow, ring, e, base, n_e, t0, nvalid);
     else
-        prefill_tile<GATED, STAGE, NT / 2, NT>(p, srow, ring, e, base, n_e, t0, nvalid);
+        prefill_tile<GATED, STAGE, NT / 2, NT, HALVES>(p, srow, ring, e, base, n_e, t0, nvalid);
 }
 
-#define PREFILL(NAME, GATED, STAGE, NT, BLOCKS)                                                      \
-    extern "C" __global__ void __launch_bounds__(PF_THREADS, BLOCKS) NAME(const GemmParams p) { \
-        prefill_body<GATED, STAGE, NT>(p);                                                           \
+#define PREFILL(NAME, GATED, STAGE, NT, THREADS, BLOCKS)                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(const GemmParams p) { \
+        prefill_body<GATED, STAGE, NT, 512 / THREADS>(p);                                         \
     }
-PREFILL(prefill_gemm1_gated, true, 1, PF_NT, 1)
-PREFILL(prefill_gemm1_plain, false, 1, PF_NT, 1)
-PREFILL(prefill_gemm2, false, 2, PF_NT, 1)
+PREFILL(prefill_gemm1_gated, true, 1, PF_NT, PF_THREADS, 1)
+PREFILL(prefill_gemm1_plain, false, 1, PF_NT, PF_THREADS, 1)
+PREFILL(prefill_gemm2, false, 2, PF_NT, PF_THREADS, 1)
 // Small tiles for a few to a few tens of tokens per expert: the weights stream through
 // PF_SMALL_BLOCKS blocks per SM.
-PREFILL(prefill_small_gemm1_gated, true, 1, PF_NT_SMALL, PF_SMALL_BLOCKS)
-PREFILL(prefill_small_gemm1_plain, false, 1, PF_NT_SMALL, PF_SMALL_BLOCKS)
-PREFILL(prefill_small_gemm2, false, 2, PF_NT_SMALL, PF_SMALL_BLOCKS)
+PREFILL(prefill_small_gemm1_gated, true, 1, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
+PREFILL(prefill_small_gemm1_plain, false, 1, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
+PREFILL(prefill_small_gemm2, false, 2, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)

@@ -440,11 +440,20 @@ mod tests {
             line.split_whitespace().nth(2).unwrap().parse().unwrap()
         };
         let (stages, ring) = (define("PF_STAGES"), define("PF_RING_OFFSET"));
-        for (tile, nt) in [
-            (super::super::PrefillTile::Large, define("PF_NT")),
-            (super::super::PrefillTile::Small, define("PF_NT_SMALL")),
+        for (tile, nt, threads) in [
+            (
+                super::super::PrefillTile::Large,
+                define("PF_NT"),
+                define("PF_THREADS"),
+            ),
+            (
+                super::super::PrefillTile::Small,
+                define("PF_NT_SMALL"),
+                define("PF_THREADS_SMALL"),
+            ),
         ] {
             assert_eq!(tile.tokens(), nt);
+            assert_eq!(tile.threads(), threads, "{tile:?}");
             let stage = nt * 128 + 16 * 512 + 16 * 64;
             assert_eq!(tile.shared_bytes(), ring + stages * stage, "{tile:?}");
             // The row table and the tile fit below the ring.
@@ -454,6 +463,21 @@ mod tests {
             super::super::PrefillTile::Small.blocks_per_sm(),
             define("PF_SMALL_BLOCKS")
         );
+    }
+
+    #[test]
+    fn decode_ring_depth_matches_the_kernel() {
+        let src = SOURCES
+            .iter()
+            .find(|(f, _)| *f == "expert_gemm.cu")
+            .map(|(_, s)| *s)
+            .unwrap();
+        let depth: usize = src
+            .lines()
+            .find_map(|l| l.strip_prefix("#define DEC_DEPTH "))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("DEC_DEPTH defined in expert_gemm.cu");
+        assert_eq!(depth, super::super::DEC_DEPTH);
     }
 
     #[test]

@@ -469,6 +469,15 @@ impl PrefillTile {
         }
     }
 
+    /// Threads per block (`PF_THREADS`, `PF_THREADS_SMALL`): 16 warps of one 16-row slot each
+    /// for the large tiles, 8 warps of two slots for the small ones (two blocks per SM).
+    pub const fn threads(self) -> usize {
+        match self {
+            PrefillTile::Small => 256,
+            PrefillTile::Large => 512,
+        }
+    }
+
     /// Blocks per SM the kernels are built for (`__launch_bounds__`).
     pub const fn blocks_per_sm(self) -> usize {
         match self {
@@ -548,14 +557,25 @@ impl GemmPath {
     }
 }
 
+/// NVFP4 k groups each decode-GEMM warp buffers (`DEC_DEPTH` in `expert_gemm.cu`).
+const DEC_DEPTH: usize = 7;
+
 /// Dynamic shared memory of a decode GEMM block: two lookup tables, then `8·nsub` activation
-/// rows, reused afterwards for the split-K partial sums (whichever is larger).
-fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
+/// rows, reused afterwards for the split-K partial sums (whichever is larger), then (NVFP4
+/// weights) each warp's ring of [`DEC_DEPTH`] k groups of 576 bytes (twice that gated).
+fn gemm_smem(nsub: usize, k: usize, gated: bool, nvfp4: bool, shape: GemmShape) -> usize {
     let act = 8 * nsub * (pack::padded_k(k) + 8) * 2;
     let rgpb = shape.rgpb(nsub);
-    let ksplit = GemmShape::warps(nsub) / rgpb;
-    let red = (ksplit - 1) * rgpb * 32 * nsub * 4 * if gated { 2 } else { 1 } * 4;
-    2048 + act.max(red)
+    let warps = GemmShape::warps(nsub);
+    let ksplit = warps / rgpb;
+    let sets = if gated { 2 } else { 1 };
+    let red = (ksplit - 1) * rgpb * 32 * nsub * 4 * sets * 4;
+    let ring = if nvfp4 {
+        warps * DEC_DEPTH * 576 * sets
+    } else {
+        0
+    };
+    2048 + act.max(red) + ring
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -798,7 +818,7 @@ impl CudaLayer {
     /// routing: 1 up to 4, 2 up to 12, else 4, and never more than shared memory allows.
     /// Busier experts take several passes (their weights come from L2 the second time); larger
     /// tiles cost more than that in occupancy (measured: docs/KERNEL_NOTES.md).
-    fn nsub(&self, tokens: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
+    fn nsub(&self, tokens: usize, k: usize, gated: bool, nvfp4: bool, shape: GemmShape) -> usize {
         let per_expert = (tokens * self.spec.routing.top_k)
             .div_ceil(self.spec.shape.experts)
             .max(1);
@@ -812,7 +832,7 @@ impl CudaLayer {
         [4, 2, 1]
             .into_iter()
             .filter(|&n| n <= want)
-            .find(|&n| gemm_smem(n, k, gated, shape) <= self.dev.max_shared_bytes)
+            .find(|&n| gemm_smem(n, k, gated, nvfp4, shape) <= self.dev.max_shared_bytes)
             .unwrap_or(1)
     }
 
@@ -828,9 +848,9 @@ impl CudaLayer {
     ) -> Result<()> {
         let gated = name.contains("gated");
         let shape = GemmShape::for_tokens(tokens);
-        let nsub = self.nsub(tokens, proj.k, gated, shape);
+        let nsub = self.nsub(tokens, proj.k, gated, proj.nvfp4, shape);
         let kname = format!("{name}_{}_n{nsub}", shape.name());
-        let smem = gemm_smem(nsub, proj.k, gated, shape) as u32;
+        let smem = gemm_smem(nsub, proj.k, gated, proj.nvfp4, shape) as u32;
         if smem as usize > self.dev.max_shared_bytes {
             return Err(Error::Unsupported {
                 backend: "cuda".into(),
@@ -885,7 +905,7 @@ impl CudaLayer {
         }
         let cfg = LaunchConfig {
             grid_dim: (rg_out.div_ceil(rows_per_block) as u32, tiles as u32, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (tile.threads() as u32, 1, 1),
             shared_mem_bytes: tile.shared_bytes() as u32,
         };
         self.launch(tile.kernel(gemm), cfg, |b| {
