@@ -4,8 +4,8 @@
 # PyTorch bf16 peer on the same presets. Run from the repo root on the GPU machine after
 # ../shared/tools/gpu-stage. Logs go to $OUT/logs/ as they are written (a run cut short by the
 # time limit still returns them), benchmark JSON beside them.
-# usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [stalls] [shapes] [paths] [tiles] [bench] [torch]
-# (default: all but prefill-tests, which tests covers)
+# usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [stalls] [shapes] [paths] [tiles] [routes] [bench] [torch]
+# (default: all but prefill-tests, which tests covers, and routes)
 # NCU_TOKENS (default "1 64 256") picks the ncu batch sizes, BENCH_MODES (default "w4a16 w4a4")
 # the bench modes, SAN_BINS / SAN_FILTER the sanitized test executables and cuda_device filter.
 set -u
@@ -96,6 +96,17 @@ if has tiles; then
     echo "== FP4MOE_GEMM_PATH=${v%:*} FP4MOE_PREFILL_TILE=${v#*:}"
     FP4MOE_GEMM_PATH=${v%:*} FP4MOE_PREFILL_TILE=${v#*:} .gpu/fp4moe bench --preset ${TILES_PRESET:-nemotron3-nano} \
       --tokens ${TILES_TOKENS:-8,16,32,64,128,256,512,1024,2048} --backend cuda 2>&1 | tail -10 | tee -a $L/tiles.txt
+  done
+fi
+if has routes; then
+  # Fused small-batch routing (route_small) against the split kernels around
+  # ROUTE_FUSED_MAX_TOKENS (16), both modes (W4A4 quantizes the input in the same launch).
+  for mode in w4a16 w4a4; do
+    for route in split fused; do
+      echo "== FP4MOE_ROUTE=$route $mode"
+      FP4MOE_ROUTE=$route .gpu/fp4moe bench --preset nemotron3-nano --mode $mode --tokens ${ROUTES_TOKENS:-1,2,4,8,16,32,64} \
+        --backend cuda 2>&1 | tail -8 | tee -a $L/routes.txt
+    done
   done
 fi
 if has bench; then

@@ -1,25 +1,14 @@
-// Routing on the GPU (DESIGN 2): router logits and top-k selection, one warp per token.
-//
-// scores = softmax(logits) or sigmoid(logits); selection ranks scores + bias; with n_group > 1
-// the topk_group best groups (sum of top-2 biased scores, max without a bias) stay; weights are
-// the unbiased scores of the chosen ids, renormalized (zero sum = 1), times rsf. Ties go to the
-// lower id. Ids are written in rank order. Limits (checked by the host): E <= 1024, top_k <= 32,
-// n_group <= 32.
-#include "common.cuh"
+// Routing on the GPU (DESIGN 2): router logits and top-k selection, one warp per token. The
+// formulas and the per-warp code are in routing.cuh (shared with route_small.cu).
+#include "routing.cuh"
 
 // logits[t, e] = x[t, :] · w[e, :] in f32; one warp per (t, e).
 extern "C" __global__ void router_logits(const float* __restrict__ x, const float* __restrict__ w,
                                          float* __restrict__ logits, int tokens, int hidden, int experts) {
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
     if (warp >= tokens * experts) return;
-    int t = warp / experts, e = warp % experts;
-    const float* xr = x + (size_t)t * hidden;
-    const float* wr = w + (size_t)e * hidden;
-    float acc = 0.0f;
-    for (int c = lane; c < hidden; c += 32) acc += xr[c] * wr[c];
-    acc = warp_sum(acc);
-    if (lane == 0) logits[warp] = acc;
+    float acc = router_logit(x, w, warp / experts, warp % experts, hidden);
+    if ((threadIdx.x & 31) == 0) logits[warp] = acc;
 }
 
 // The same logits for many tokens: 64 tokens x 64 experts per 256-thread block, each thread
@@ -86,98 +75,15 @@ extern "C" __global__ void __launch_bounds__(256) router_logits_tiled(const floa
         }
 }
 
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-    return v > bv || (v == bv && i < bi);
-}
-
-// Warp argmax over `vals[0..n)` with ties to the lower index; every lane gets the result.
-__device__ __forceinline__ int warp_argmax(const float* vals, int n) {
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x & 31; i < n; i += 32)
-        if (better(vals[i], i, bv, bi)) { bv = vals[i]; bi = i; }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-        int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-    }
-    return bi;
-}
-
 // scoring: 0 softmax, 1 sigmoid. bias may be null. Shared memory: 2·E + 64 floats per warp.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, const float* __restrict__ bias,
                                       int* __restrict__ ids, float* __restrict__ weights, int tokens,
                                       int experts, int top_k, int scoring, int n_group, int topk_group,
                                       int renormalize, float rsf) {
     extern __shared__ float smem[];
-    int wib = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int wib = threadIdx.x >> 5;
     int t = blockIdx.x * (blockDim.x >> 5) + wib;
     if (t >= tokens) return;  // whole warps exit together
-    float* scores = smem + wib * (2 * experts + 64);
-    float* biased = scores + experts;
-    float* gsc = biased + experts;  // [32] group scores, [32] chosen scores
-    float* chosen = gsc + 32;
-    const float* l = logits + (size_t)t * experts;
-
-    if (scoring == 0) {
-        float m = -INFINITY;
-        for (int e = lane; e < experts; e += 32) m = fmaxf(m, l[e]);
-        m = warp_max(m);
-        float s = 0.0f;
-        for (int e = lane; e < experts; e += 32) {
-            float v = expf(l[e] - m);
-            scores[e] = v;
-            s += v;
-        }
-        s = warp_sum(s);
-        for (int e = lane; e < experts; e += 32) scores[e] = scores[e] / s;
-    } else {
-        for (int e = lane; e < experts; e += 32) scores[e] = 1.0f / (1.0f + expf(-l[e]));
-    }
-    __syncwarp();
-    for (int e = lane; e < experts; e += 32) biased[e] = scores[e] + (bias ? bias[e] : 0.0f);
-    __syncwarp();
-
-    if (n_group > 1) {
-        int per = experts / n_group;
-        if (lane < n_group) {
-            const float* g = biased + lane * per;
-            float b1 = -INFINITY, b2 = -INFINITY;
-            for (int i = 0; i < per; i++) {
-                float v = g[i];
-                if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
-            }
-            gsc[lane] = bias ? (per > 1 ? b1 + b2 : b1) : b1;
-        }
-        __syncwarp();
-        u32 keep = 0;
-        for (int r = 0; r < topk_group; r++) {
-            int g = warp_argmax(gsc, n_group);
-            keep |= 1u << g;
-            __syncwarp();
-            if (lane == 0) gsc[g] = -INFINITY;
-            __syncwarp();
-        }
-        for (int e = lane; e < experts; e += 32)
-            if (!((keep >> (e / per)) & 1u)) biased[e] = -INFINITY;
-        __syncwarp();
-    }
-
-    for (int r = 0; r < top_k; r++) {
-        int e = warp_argmax(biased, experts);
-        __syncwarp();
-        if (lane == 0) {
-            ids[t * top_k + r] = e;
-            chosen[r] = scores[e];
-            biased[e] = -INFINITY;
-        }
-        __syncwarp();
-    }
-    if (lane == 0) {
-        float s = 0.0f;
-        for (int r = 0; r < top_k; r++) s += chosen[r];
-        if (!renormalize || s == 0.0f) s = 1.0f;
-        for (int r = 0; r < top_k; r++) weights[t * top_k + r] = chosen[r] / s * rsf;
-    }
+    topk_token(logits + (size_t)t * experts, bias, ids + t * top_k, weights + t * top_k,
+               smem + wib * (2 * experts + 64), experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
 }

@@ -1,129 +1,14 @@
-// Token/slot pairs grouped by expert, deterministically and without a host synchronization.
-//
-// Pair p = t·k + j routed to expert ids[p]. Output: offsets[E+1] (exclusive prefix of counts),
-// sorted[offsets[e] + r] = the r-th pair of expert e in increasing p, active[0..n) the experts
-// with at least one pair in increasing id, num_active[0] = n. A 1024-thread block splits its
-// pairs over its 32 warps; a per-warp histogram (int [32][E] in shared memory, E <= 512) and
-// match_any ranks place pairs stably with no atomics. Small batches run in one block
-// (sort_pairs), large ones over chunks in three kernels (count_pairs, scan_pair_counts,
-// place_pairs).
-#include "common.cuh"
-
-// Exclusive scan of v[0..n) in place by one warp; returns the total.
-__device__ int warp_exclusive_scan(int* v, int n) {
-    int lane = threadIdx.x & 31;
-    int per = (n + 31) / 32;
-    int lo = min(lane * per, n), hi = min(lo + per, n);
-    int local = 0;
-    for (int i = lo; i < hi; i++) local += v[i];
-    int incl = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        int y = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += y;
-    }
-    int run = incl - local;
-    for (int i = lo; i < hi; i++) {
-        int c = v[i];
-        v[i] = run;
-        run += c;
-    }
-    return __shfl_sync(FULL_MASK, incl, 31);
-}
-
-// Per-warp histogram of pairs [lo, hi) (warp w takes the w-th of 32 equal slices) into
-// hist[w·E + e], which the caller zeroed.
-__device__ void warp_histograms(const int* ids, int lo, int hi, int experts, int* hist) {
-    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int chunk = (hi - lo + 31) / 32;
-    int wlo = min(lo + w * chunk, hi), whi = min(wlo + chunk, hi);
-    for (int base = wlo; base < whi; base += 32) {
-        int p = base + lane;
-        bool valid = p < whi;
-        int e = valid ? ids[p] : -1 - lane;  // invalid lanes never match anyone
-        u32 peers = __match_any_sync(FULL_MASK, e);
-        if (valid && lane == __ffs(peers) - 1) hist[w * experts + e] += __popc(peers);
-        __syncwarp();
-    }
-}
-
-// hist[w·E + e]: counts → the position of warp w's first pair of expert e, counting from
-// start[e]. Needs a __syncthreads before and after.
-__device__ void warp_bases(const int* start, int experts, int* hist) {
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-        int run = start[e];
-        for (int v = 0; v < 32; v++) {
-            int c = hist[v * experts + e];
-            hist[v * experts + e] = run;
-            run += c;
-        }
-    }
-}
-
-// sorted[position] = p for the pairs [lo, hi), warp slices as in warp_histograms, hist = bases.
-__device__ void place(const int* ids, int lo, int hi, int experts, int* hist, int* sorted) {
-    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int chunk = (hi - lo + 31) / 32;
-    int wlo = min(lo + w * chunk, hi), whi = min(wlo + chunk, hi);
-    for (int base = wlo; base < whi; base += 32) {
-        int p = base + lane;
-        bool valid = p < whi;
-        int e = valid ? ids[p] : -1 - lane;
-        u32 peers = __match_any_sync(FULL_MASK, e);
-        if (valid) {
-            int rank = __popc(peers & ((1u << lane) - 1));
-            sorted[hist[w * experts + e] + rank] = p;
-        }
-        __syncwarp();
-        if (valid && lane == __ffs(peers) - 1) hist[w * experts + e] += __popc(peers);
-        __syncwarp();
-    }
-}
-
-// offsets (exclusive prefix of counts[e], with offsets[E] = total), the active experts in
-// increasing id and their number, from counts in flags[0..E) (overwritten). One block.
-__device__ void finish_offsets(int experts, int* flags, int* offsets, int* active, int* num_active) {
-    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (w == 0) {
-        int total = warp_exclusive_scan(flags, experts);  // flags now holds offsets
-        if (lane == 0) offsets[experts] = total;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) offsets[e] = flags[e];
-    __syncthreads();
-    for (int e = threadIdx.x; e < experts; e += blockDim.x)
-        flags[e] = (offsets[e + 1] - offsets[e]) > 0 ? 1 : 0;
-    __syncthreads();
-    if (w == 0) {
-        int n = warp_exclusive_scan(flags, experts);
-        if (lane == 0) num_active[0] = n;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < experts; e += blockDim.x)
-        if (offsets[e + 1] - offsets[e] > 0) active[flags[e]] = e;
-}
+// Token/slot pairs grouped by expert, deterministically and without a host synchronization
+// (layout and method: sort_pairs.cuh). Small batches run in one block (sort_pairs), large ones
+// over chunks in three kernels (count_pairs, scan_pair_counts, place_pairs).
+#include "sort_pairs.cuh"
 
 // Small batches: everything in one block of 1024 threads.
 extern "C" __global__ void sort_pairs(const int* __restrict__ ids, int pairs, int experts,
                                       int* __restrict__ offsets, int* __restrict__ sorted,
                                       int* __restrict__ active, int* __restrict__ num_active) {
     extern __shared__ int hist[];  // [32][experts], then flags[experts]
-    int* flags = hist + 32 * experts;
-    for (int i = threadIdx.x; i < 32 * experts; i += blockDim.x) hist[i] = 0;
-    __syncthreads();
-    warp_histograms(ids, 0, pairs, experts, hist);
-    __syncthreads();
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-        int c = 0;
-        for (int v = 0; v < 32; v++) c += hist[v * experts + e];
-        flags[e] = c;
-    }
-    finish_offsets(experts, flags, offsets, active, num_active);
-    __syncthreads();
-    warp_bases(offsets, experts, hist);
-    __syncthreads();
-    place(ids, 0, pairs, experts, hist, sorted);
+    sort_pairs_block(ids, pairs, experts, offsets, sorted, active, num_active, hist);
 }
 
 // Large batches, three kernels over SORT_CHUNK-pair chunks (one 1024-thread block each):
@@ -177,21 +62,4 @@ extern "C" __global__ void place_pairs(const int* __restrict__ ids, int pairs, i
     warp_bases(bases + blockIdx.x * experts, experts, hist);
     __syncthreads();
     place(ids, lo, hi, experts, hist, sorted);
-}
-
-// Metadata of the shared expert seen as one expert holding every token once.
-extern "C" __global__ void shared_meta(int tokens, int* __restrict__ offsets, int* __restrict__ sorted,
-                                       int* __restrict__ active, int* __restrict__ num_active,
-                                       float* __restrict__ ones) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < tokens) {
-        sorted[i] = i;
-        ones[i] = 1.0f;
-    }
-    if (i == 0) {
-        offsets[0] = 0;
-        offsets[1] = tokens;
-        active[0] = 0;
-        num_active[0] = 1;
-    }
 }

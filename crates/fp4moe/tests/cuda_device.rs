@@ -7,7 +7,7 @@
 mod common;
 
 use fp4moe::calibration::calibrate_with_router;
-use fp4moe::cuda::{CudaLayer, GemmPath};
+use fp4moe::cuda::{CudaLayer, CudaWorkspace, GemmPath, RoutePath};
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
 use fp4moe::routing::router_logits;
@@ -340,6 +340,157 @@ fn prefill_golden_cases() {
     }
 }
 
+/// Where a forward takes its routing from.
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    /// `forward_device(ws, None)`: logits from the router weight on the device.
+    Router,
+    /// `forward_device(ws, Some(logits))`.
+    Logits,
+    /// `experts_device` with host-given ids and weights.
+    Ids,
+}
+
+/// Output, ids, weights and logits of one forward from `source`, with the outputs zeroed first
+/// (a launch that silently did nothing cannot pass for a good one).
+fn forward_from(
+    layer: &CudaLayer,
+    ws: &mut CudaWorkspace,
+    source: Source,
+    logits: &cudarc::driver::CudaSlice<f32>,
+    topk: &fp4moe::routing::TopK,
+) -> [Vec<u32>; 4] {
+    let st = layer.stream().clone();
+    st.memset_zeros(&mut ws.out).unwrap();
+    st.memset_zeros(&mut ws.ids).unwrap();
+    st.memset_zeros(&mut ws.weights).unwrap();
+    st.memset_zeros(&mut ws.logits).unwrap();
+    match source {
+        Source::Router => layer.forward_device(ws, None).unwrap(),
+        Source::Logits => layer.forward_device(ws, Some(logits)).unwrap(),
+        Source::Ids => {
+            st.memcpy_htod(&topk.ids, &mut ws.ids).unwrap();
+            st.memcpy_htod(&topk.weights, &mut ws.weights).unwrap();
+            layer.experts_device(ws).unwrap();
+        }
+    }
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
+    [
+        bits(st.clone_dtoh(&ws.out).unwrap()),
+        st.clone_dtoh(&ws.ids)
+            .unwrap()
+            .into_iter()
+            .map(|i| i as u32)
+            .collect(),
+        bits(st.clone_dtoh(&ws.weights).unwrap()),
+        bits(st.clone_dtoh(&ws.logits).unwrap()),
+    ]
+}
+
+/// `route_small` (fused) against the split kernels on one layer and batch, from each routing
+/// source: outputs, ids, weights (and device logits) bitwise equal, and the output against the
+/// reference backend.
+fn check_fused(spec: MoeSpec, tokens: usize, seed: u64) {
+    let (h, e) = (spec.shape.hidden, spec.shape.experts);
+    let x = random_tokens(tokens, h, seed);
+    let w = with_scales(&spec, random_weights(&spec, seed).unwrap(), &x);
+    let logits = router_logits(&x, w.router.as_ref().unwrap(), h, e);
+    let cpu = MoeLayer::new(spec, w.clone(), BackendChoice::Use(Backend::Cpu)).unwrap();
+    let topk = cpu.route(&x, Some(&logits)).unwrap();
+    let mut layer = CudaLayer::new(&spec, &w).unwrap();
+    let max_smem = layer.device().max_shared_bytes;
+    assert_eq!(
+        RoutePath::choose(
+            tokens,
+            spec.routing.top_k,
+            e,
+            max_smem,
+            Some(RoutePath::Fused)
+        ),
+        RoutePath::Fused,
+        "the fused kernel cannot run this case"
+    );
+    let st = layer.stream().clone();
+    let mut ws = layer.workspace(tokens).unwrap();
+    st.memcpy_htod(&x, &mut ws.x).unwrap();
+    let dl = st.clone_htod(&logits).unwrap();
+    for source in [Source::Router, Source::Logits, Source::Ids] {
+        layer.set_route_path(Some(RoutePath::Split));
+        let split = forward_from(&layer, &mut ws, source, &dl, &topk);
+        layer.set_route_path(Some(RoutePath::Fused));
+        let fused = forward_from(&layer, &mut ws, source, &dl, &topk);
+        // Twice: the block ticket counter must be back at 0 after a launch.
+        let again = forward_from(&layer, &mut ws, source, &dl, &topk);
+        let what = ["output", "ids", "weights", "logits"];
+        // Logits are only computed on the device from the router weight.
+        let compared = if let Source::Router = source { 4 } else { 3 };
+        for j in 0..compared {
+            assert!(
+                fused[j] == split[j],
+                "{source:?} T{tokens}: fused {} differ from split",
+                what[j]
+            );
+            assert!(
+                again[j] == fused[j],
+                "{source:?} T{tokens}: second fused launch {} differ",
+                what[j]
+            );
+        }
+        let out: Vec<f32> = fused[0].iter().map(|&b| f32::from_bits(b)).collect();
+        assert!(out.iter().all(|v| v.is_finite()), "non-finite output");
+        // The reference routes from the logits the device used.
+        let used: Vec<f32> = match source {
+            Source::Router => fused[3].iter().map(|&b| f32::from_bits(b)).collect(),
+            Source::Logits | Source::Ids => logits.clone(),
+        };
+        if !matches!(source, Source::Router) {
+            let ids: Vec<i32> = fused[1].iter().map(|&i| i as i32).collect();
+            assert_eq!(
+                ids, topk.ids,
+                "{source:?} T{tokens}: ids differ from the CPU's"
+            );
+        }
+        let err = sample_error(&spec, w.clone(), &x, &used, &out, tokens);
+        println!(
+            "fused {source:?} {} {} H{h} E{e} k{} shared {:?} T{tokens}: rel err {err:.3e}",
+            spec.activation, spec.quant, spec.routing.top_k, spec.shared_intermediate
+        );
+        assert!(
+            err <= 1e-2,
+            "{source:?} T{tokens}: relative error {err:e} against the reference backend"
+        );
+    }
+}
+
+#[test]
+fn fused_routing_matches_split_bitwise() {
+    if !common::gpu_available() {
+        return;
+    }
+    for quant in [QuantMode::W4A16, W4A4] {
+        for shared in [None, Some(256)] {
+            for t in [1, 7, 16] {
+                // Sigmoid scoring with a bias, rsf 2.5, grouped selection (4 groups, keep 2).
+                let mut s = spec(1024, 512, 64, 6, Activation::Relu2NoMul, quant);
+                s.routing.n_group = 4;
+                s.routing.topk_group = 2;
+                s.shared_intermediate = shared;
+                check_fused(s, t, 7000 + t as u64);
+                // Softmax scoring, gated.
+                let mut s = spec(1024, 512, 64, 6, Activation::Silu, quant);
+                s.shared_intermediate = shared;
+                check_fused(s, t, 7100 + t as u64);
+            }
+        }
+    }
+    // The kernel's limits: 512 experts (largest top-k and sort scratch), top-32.
+    let mut s = spec(256, 128, 512, 32, Activation::Silu, W4A4);
+    s.shared_intermediate = Some(128);
+    for t in [1, 16] {
+        check_fused(s, t, 7200 + t as u64);
+    }
+}
+
 #[test]
 fn router_logits_on_device_match_the_cpu() {
     if !common::gpu_available() {
@@ -372,16 +523,21 @@ fn graph_capture_replays_the_layer() {
         return;
     }
     for path in [GemmPath::Decode, GemmPath::Prefill] {
-        graph_capture(path);
+        for route in [RoutePath::Split, RoutePath::Fused] {
+            graph_capture(path, route);
+        }
     }
 }
 
-fn graph_capture(path: GemmPath) {
+/// Eager and replayed forwards agree; `route`: the fused kernel's block ticket counter must be
+/// back at 0 after every replay.
+fn graph_capture(path: GemmPath, route: RoutePath) {
     let s = spec(512, 256, 32, 4, Activation::Silu, QuantMode::W4A16);
     let tokens = 24;
     let w = random_weights(&s, 9).unwrap();
     let mut layer = CudaLayer::new(&s, &w).unwrap();
     layer.set_gemm_path(Some(path));
+    layer.set_route_path(Some(route));
     let st = layer.stream().clone();
     let mut ws = layer.workspace(tokens).unwrap();
     let x1 = random_tokens(tokens, 512, 10);

@@ -12,18 +12,29 @@ use std::ffi::{CStr, CString};
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 
-/// The shared headers kernel files include: conversions and MMA wrappers, and the expert-GEMM
-/// parameters, dequantization and epilogues both GEMM paths use.
-pub const HEADERS: [(&str, &str); 2] = [
+/// The shared headers kernel files include: conversions and MMA wrappers, the expert-GEMM
+/// parameters, dequantization and epilogues both GEMM paths use, and the routing, pair-sort and
+/// input-preparation code both the split kernels and `route_small` use.
+pub const HEADERS: [(&str, &str); 5] = [
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     (
         "gemm_common.cuh",
         include_str!("../../kernels/gemm_common.cuh"),
     ),
+    ("routing.cuh", include_str!("../../kernels/routing.cuh")),
+    (
+        "sort_pairs.cuh",
+        include_str!("../../kernels/sort_pairs.cuh"),
+    ),
+    (
+        "prepare_input.cuh",
+        include_str!("../../kernels/prepare_input.cuh"),
+    ),
 ];
 
-/// Kernel files, one pipeline stage each.
-pub const SOURCES: [(&str, &str); 6] = [
+/// Kernel files, one pipeline stage each; `route_small.cu` fuses the first four stages for small
+/// batches.
+pub const SOURCES: [(&str, &str); 7] = [
     ("routing.cu", include_str!("../../kernels/routing.cu")),
     ("sort_pairs.cu", include_str!("../../kernels/sort_pairs.cu")),
     (
@@ -39,6 +50,10 @@ pub const SOURCES: [(&str, &str); 6] = [
         include_str!("../../kernels/prefill_gemm.cu"),
     ),
     ("combine.cu", include_str!("../../kernels/combine.cu")),
+    (
+        "route_small.cu",
+        include_str!("../../kernels/route_small.cu"),
+    ),
 ];
 
 /// The `extern "C"` kernels each file defines (`expert_gemm.cu` instantiates every weight kind,
@@ -51,9 +66,9 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "count_pairs",
             "scan_pair_counts",
             "place_pairs",
-            "shared_meta",
         ],
         "prepare_input.cu" => &["prepare_input"],
+        "route_small.cu" => &["route_small"],
         "combine.cu" => &["combine"],
         "prefill_gemm.cu" => &[
             "prefill_gemm1_gated",

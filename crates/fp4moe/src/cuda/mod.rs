@@ -4,9 +4,12 @@
 //!
 //! ```text
 //! router_logits? → route_topk → sort_pairs → prepare_input → gemm1 (+act, W4A4 QDQ) → gemm2
-//!               (shared expert: shared_meta → gemm1 → gemm2) → combine → y [T, H]
+//!               (shared expert: gemm1 → gemm2) → combine → y [T, H]
 //! ```
-//! No float atomics anywhere: results are bitwise reproducible from run to run.
+//! Small batches ([`RoutePath`]) run the first four stages as one launch, `route_small`, on the
+//! same device code (bitwise the same results). The shared expert's grouping (every token once,
+//! weight 1) is written once per workspace. No float atomics anywhere: results are bitwise
+//! reproducible from run to run.
 //!
 //! Every `unsafe` block of the crate lives under this module, each with a `// SAFETY:` line.
 //! A machine without a driver never reaches cudarc's loaders: [`device`] checks
@@ -213,7 +216,7 @@ struct GemmParams {
 unsafe impl DeviceRepr for GemmParams {}
 
 /// Device pointers of a token grouping by expert (`sort_pairs.cu`'s outputs, or the shared
-/// expert's single group from `shared_meta`), as both GEMMs read it.
+/// expert's single group written by [`CudaLayer::workspace`]), as both GEMMs read it.
 #[derive(Clone, Copy, Debug)]
 struct Grouping {
     offsets: u64,
@@ -223,6 +226,17 @@ struct Grouping {
 }
 
 impl Grouping {
+    /// `route_small` parameters writing this grouping (the rest default).
+    fn route_params(self) -> RouteSmallParams {
+        RouteSmallParams {
+            offsets: self.offsets,
+            sorted: self.sorted,
+            active: self.active,
+            num_active: self.num_active,
+            ..Default::default()
+        }
+    }
+
     /// `params` reading this grouping.
     fn params(self, params: GemmParams) -> GemmParams {
         GemmParams {
@@ -231,6 +245,68 @@ impl Grouping {
             active: self.active,
             num_active: self.num_active,
             ..params
+        }
+    }
+}
+
+/// Parameters of `route_small.cu`; the layout matches `struct RouteSmallParams` there.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct RouteSmallParams {
+    x: u64,
+    router: u64,
+    logits: u64,
+    bias: u64,
+    ids: u64,
+    weights: u64,
+    offsets: u64,
+    sorted: u64,
+    active: u64,
+    num_active: u64,
+    a: u64,
+    xs: u64,
+    ticket: u64,
+    mode: i32,
+    tokens: i32,
+    hidden: i32,
+    experts: i32,
+    top_k: i32,
+    scoring: i32,
+    n_group: i32,
+    topk_group: i32,
+    renormalize: i32,
+    topk_warps: i32,
+    rsf: f32,
+    gs: f32,
+}
+
+// SAFETY: `RouteSmallParams` is `repr(C)`, plain old data, and mirrors the kernel's parameter
+// struct field for field (13 pointers, 10 ints, 2 floats; no implicit padding).
+unsafe impl DeviceRepr for RouteSmallParams {}
+
+/// Where `route_small` takes its tokens' routing from (the kernel's `mode`).
+#[derive(Clone, Copy)]
+enum RouteSource<'a> {
+    /// Logits computed from the layer's router weight (`ROUTE_FROM_ROUTER`).
+    Router,
+    /// Caller's `[T, E]` logits (`ROUTE_FROM_LOGITS`).
+    Logits(&'a CudaSlice<f32>),
+    /// `ws.ids` / `ws.weights` already hold the routing (`ROUTE_FROM_IDS`): sort and prepare only.
+    Ids,
+}
+
+/// `route_small.cu`'s modes.
+const ROUTE_FROM_ROUTER: i32 = 0;
+const ROUTE_FROM_LOGITS: i32 = 1;
+const ROUTE_FROM_IDS: i32 = 2;
+
+impl RouteSource<'_> {
+    /// The kernel's `mode`.
+    fn mode(self) -> i32 {
+        match self {
+            RouteSource::Router => ROUTE_FROM_ROUTER,
+            RouteSource::Logits(_) => ROUTE_FROM_LOGITS,
+            RouteSource::Ids => ROUTE_FROM_IDS,
         }
     }
 }
@@ -306,6 +382,8 @@ pub struct CudaWorkspace {
     sorted: CudaSlice<i32>,
     /// Per-chunk expert counts, then bases, of the multi-block pair sort.
     chunk_counts: CudaSlice<i32>,
+    /// `route_small`'s block ticket counter: 0 between launches (the last block resets it).
+    route_ticket: CudaSlice<i32>,
     active: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     g: CudaSlice<u16>,
@@ -337,6 +415,7 @@ pub struct CudaLayer {
     gs1: Option<f32>,
     gs2: Option<f32>,
     gemm_path: Option<GemmPath>,
+    route_path: Option<RoutePath>,
 }
 
 /// Largest counts the kernels handle (shared-memory tables of `sort_pairs` and `route_topk`).
@@ -398,6 +477,78 @@ fn tuning_knob(cell: &'static OnceLock<Option<String>>, name: &str) -> Option<&'
 
 /// Pairs per chunk of the multi-block pair sort.
 const SORT_CHUNK: usize = 2048;
+
+/// Most pairs the one-block pair sort (`sort_pairs`, and `route_small`'s sort) takes.
+const SORT_ONE_BLOCK_MAX: usize = 2 * SORT_CHUNK;
+
+/// Largest token count routed by the fused `route_small` kernel by default. A first guess
+/// (awaiting measurement): the fused kernel saves three launches but runs top-k, the sort and
+/// the input preparation of the whole batch in one block, which stops paying off as T grows.
+pub const ROUTE_FUSED_MAX_TOKENS: usize = 16;
+
+/// Most warps of `route_small`'s top-k phase (one token each, looping beyond): bounds its
+/// shared scratch of `2·E + 64` floats per warp (69.6 KB at E = 512, about the sort's 67.5 KB).
+const ROUTE_TOPK_WARPS: usize = 16;
+
+/// How routing, pair sort and input preparation are launched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoutePath {
+    /// One `route_small` launch (logits, top-k, sort, prepare_input) for small batches.
+    Fused,
+    /// `router_logits` / `route_topk` / pair sort / `prepare_input`, one launch each (the pair
+    /// sort takes three above 4096 pairs).
+    Split,
+}
+
+impl RoutePath {
+    /// `FP4MOE_ROUTE=fused|split`, a benchmark knob.
+    fn from_env() -> Option<Self> {
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        match tuning_knob(&KNOB, "FP4MOE_ROUTE") {
+            Some("fused") => Some(RoutePath::Fused),
+            Some("split") => Some(RoutePath::Split),
+            _ => None,
+        }
+    }
+
+    /// The path for `tokens` tokens routed to `top_k` of `experts` experts: `forced` when given,
+    /// else fused up to [`ROUTE_FUSED_MAX_TOKENS`] tokens; split whenever the fused kernel
+    /// cannot run (more pairs than its one-block sort takes, or more shared memory than the
+    /// device allows).
+    pub fn choose(
+        tokens: usize,
+        top_k: usize,
+        experts: usize,
+        max_shared_bytes: usize,
+        forced: Option<Self>,
+    ) -> Self {
+        let fits = tokens * top_k <= SORT_ONE_BLOCK_MAX
+            && route_small_smem(tokens, experts, true) <= max_shared_bytes;
+        match forced {
+            _ if !fits => RoutePath::Split,
+            Some(path) => path,
+            None if tokens <= ROUTE_FUSED_MAX_TOKENS => RoutePath::Fused,
+            None => RoutePath::Split,
+        }
+    }
+}
+
+/// Warps of `route_small`'s top-k phase for `tokens` tokens.
+fn route_topk_warps(tokens: usize) -> usize {
+    tokens.clamp(1, ROUTE_TOPK_WARPS)
+}
+
+/// Dynamic shared memory of `route_small`: the larger of its top-k scratch (`2·E + 64` floats
+/// per top-k warp, when it selects) and its pair sort's (`33·E` ints); the input preparation
+/// needs none.
+fn route_small_smem(tokens: usize, experts: usize, selects: bool) -> usize {
+    let topk = if selects {
+        route_topk_warps(tokens) * (2 * experts + 64)
+    } else {
+        0
+    };
+    4 * topk.max(33 * experts)
+}
 
 /// Token count from which router logits come from the tiled kernel.
 const ROUTER_TILED_FROM: usize = 1024;
@@ -615,6 +766,7 @@ impl CudaLayer {
             gs1,
             gs2,
             gemm_path: None,
+            route_path: None,
         })
     }
 
@@ -623,6 +775,25 @@ impl CudaLayer {
     /// device lacks its shared memory or the weights are bf16.
     pub fn set_gemm_path(&mut self, path: Option<GemmPath>) {
         self.gemm_path = path;
+    }
+
+    /// Forces how later forwards route, sort and prepare (`None`: chosen per call, see
+    /// [`RoutePath::choose`]). A batch too large for the fused kernel still takes the split
+    /// kernels.
+    pub fn set_route_path(&mut self, path: Option<RoutePath>) {
+        self.route_path = path;
+    }
+
+    /// The layer's forced route path, else `FP4MOE_ROUTE`, else [`RoutePath::choose`]'s rule.
+    fn route_path_for(&self, tokens: usize) -> RoutePath {
+        let forced = self.route_path.or_else(RoutePath::from_env);
+        RoutePath::choose(
+            tokens,
+            self.spec.routing.top_k,
+            self.spec.shape.experts,
+            self.dev.max_shared_bytes,
+            forced,
+        )
     }
 
     pub fn spec(&self) -> &MoeSpec {
@@ -653,6 +824,7 @@ impl CudaLayer {
             + 2 * (e + 1)
             + p
             + p.div_ceil(SORT_CHUNK) * e
+            + 1
             + 2
             + tokens
             + p * h
@@ -686,6 +858,10 @@ impl CudaLayer {
                 .map_err(driver_err("workspace allocation"))
         };
         let has_shared = self.shared.is_some();
+        // The shared expert as one expert holding every token once with weight 1: fixed for
+        // the workspace's token count, so written once here instead of per forward.
+        let up_i32 = |v: &[i32]| st.clone_htod(v).map_err(driver_err("workspace allocation"));
+        let sh_sorted: Vec<i32> = (0..tokens.max(1) as i32).collect();
         Ok(CudaWorkspace {
             tokens,
             x: f(tokens * h)?,
@@ -698,15 +874,18 @@ impl CudaLayer {
             offsets: i32s(e + 1)?,
             sorted: i32s(p)?,
             chunk_counts: i32s(p.div_ceil(SORT_CHUNK) * e)?,
+            route_ticket: i32s(1)?,
             active: i32s(e)?,
             num_active: i32s(1)?,
             g: b16(p * i)?,
             o: f(p * h)?,
-            sh_offsets: i32s(2)?,
-            sh_sorted: i32s(tokens)?,
-            sh_active: i32s(1)?,
-            sh_num: i32s(1)?,
-            sh_ones: f(tokens)?,
+            sh_offsets: up_i32(&[0, tokens as i32])?,
+            sh_sorted: up_i32(&sh_sorted)?,
+            sh_active: up_i32(&[0])?,
+            sh_num: up_i32(&[1])?,
+            sh_ones: st
+                .clone_htod(&vec![1.0f32; tokens.max(1)])
+                .map_err(driver_err("workspace allocation"))?,
             sh_g: b16(tokens * w)?,
             sh_o: f(if has_shared { tokens * h } else { 0 })?,
         })
@@ -976,7 +1155,7 @@ impl CudaLayer {
             shared_mem_bytes: (4 * smem) as u32,
         };
         let e = experts as usize;
-        if pairs as usize <= 2 * SORT_CHUNK {
+        if pairs as usize <= SORT_ONE_BLOCK_MAX {
             return self.launch("sort_pairs", block(1, 33 * e), |b| {
                 b.arg(&ids)
                     .arg(&pairs)
@@ -1015,35 +1194,25 @@ impl CudaLayer {
         })
     }
 
-    /// The experts for the routing in `ws.ids` / `ws.weights`: `ws.out = Σ w · expert(x) + shared(x)`.
-    pub fn experts_device(&self, ws: &mut CudaWorkspace) -> Result<()> {
-        if ws.tokens == 0 {
-            return Ok(()); // a zero-sized grid is not a valid launch
-        }
+    /// The routed pairs' grouping by expert in `ws`, as both GEMMs read it.
+    fn grouping(&self, ws: &CudaWorkspace) -> Grouping {
         let st = &self.dev.stream;
-        let s = &self.spec;
-        let (t, h, i, e, k) = (
-            ws.tokens,
-            s.shape.hidden,
-            s.shape.intermediate,
-            s.shape.experts,
-            s.routing.top_k,
-        );
-        let p = t * k;
-        let act = s.activation;
-        let act_id = crate::spec::Activation::ALL
-            .iter()
-            .position(|a| *a == act)
-            .unwrap_or(0) as i32;
-
-        let grouping = Grouping {
+        Grouping {
             offsets: ptr(&ws.offsets, st),
             sorted: ptr(&ws.sorted, st),
             active: ptr(&ws.active, st),
             num_active: ptr(&ws.num_active, st),
-        };
-        self.sort_pairs(ws, grouping, p as i32, e as i32)?;
+        }
+    }
 
+    /// Split path after routing: groups the pairs of `ws.ids` by expert (`sort_pairs.cu`) and
+    /// prepares the GEMM operand `ws.a` (and `ws.xs` for the shared expert) from `ws.x`.
+    fn group_device(&self, ws: &CudaWorkspace) -> Result<()> {
+        let st = &self.dev.stream;
+        let s = &self.spec;
+        let (t, h) = (ws.tokens, s.shape.hidden);
+        let p = t * s.routing.top_k;
+        self.sort_pairs(ws, self.grouping(ws), p as i32, s.shape.experts as i32)?;
         let (x, a) = (ptr(&ws.x, st), ptr(&ws.a, st));
         let xs = if self.shared.is_some() {
             ptr(&ws.xs, st)
@@ -1059,8 +1228,106 @@ impl CudaLayer {
         };
         self.launch("prepare_input", cfg, |b| {
             b.arg(&x).arg(&a).arg(&xs).arg(&hid).arg(&gs);
-        })?;
+        })
+    }
 
+    /// Fused path (`route_small.cu`, one launch): routing from `source`, then what
+    /// [`CudaLayer::group_device`] does. The caller checked [`RoutePath::choose`]'s limits.
+    fn route_small(&self, ws: &CudaWorkspace, source: RouteSource) -> Result<()> {
+        let st = &self.dev.stream;
+        let s = &self.spec;
+        let r = s.routing;
+        let (t, e) = (ws.tokens, s.shape.experts);
+        let (router, logits) = match source {
+            RouteSource::Router => {
+                let router = self.router.as_ref().ok_or_else(|| {
+                    Error::arg(
+                        "router_logits",
+                        "the layer has no router weight: pass router logits",
+                    )
+                })?;
+                (ptr(router, st), ptr(&ws.logits, st))
+            }
+            RouteSource::Logits(l) => (0u64, ptr(l, st)),
+            RouteSource::Ids => (0u64, 0u64),
+        };
+        let params = RouteSmallParams {
+            x: ptr(&ws.x, st),
+            router,
+            logits,
+            bias: self.bias.as_ref().map_or(0u64, |b| ptr(b, st)),
+            ids: ptr(&ws.ids, st),
+            weights: ptr(&ws.weights, st),
+            a: ptr(&ws.a, st),
+            xs: if self.shared.is_some() {
+                ptr(&ws.xs, st)
+            } else {
+                0u64
+            },
+            ticket: ptr(&ws.route_ticket, st),
+            mode: source.mode(),
+            tokens: t as i32,
+            hidden: s.shape.hidden as i32,
+            experts: e as i32,
+            top_k: r.top_k as i32,
+            scoring: i32::from(r.scoring == Scoring::Sigmoid),
+            n_group: r.n_group as i32,
+            topk_group: r.topk_group as i32,
+            renormalize: i32::from(r.renormalize),
+            topk_warps: route_topk_warps(t) as i32,
+            rsf: r.routed_scaling_factor,
+            gs: self.gs1.unwrap_or(0.0),
+            ..self.grouping(ws).route_params()
+        };
+        // One warp per logit when computing them; otherwise the one continuing block only.
+        let (grid, selects) = match source {
+            RouteSource::Router => ((t * e).div_ceil(32), true),
+            RouteSource::Logits(_) => (1, true),
+            RouteSource::Ids => (1, false),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (grid as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: route_small_smem(t, e, selects) as u32,
+        };
+        self.launch("route_small", cfg, |b| {
+            b.arg(&params);
+        })
+    }
+
+    /// The experts for the routing in `ws.ids` / `ws.weights`: `ws.out = Σ w · expert(x) + shared(x)`.
+    pub fn experts_device(&self, ws: &mut CudaWorkspace) -> Result<()> {
+        if ws.tokens == 0 {
+            return Ok(()); // a zero-sized grid is not a valid launch
+        }
+        match self.route_path_for(ws.tokens) {
+            RoutePath::Fused => self.route_small(ws, RouteSource::Ids)?,
+            RoutePath::Split => self.group_device(ws)?,
+        }
+        self.gemms_device(ws)
+    }
+
+    /// Expert GEMMs, shared expert and combine over a grouped and prepared batch (`ws.offsets`
+    /// … and `ws.a` / `ws.xs` written by [`CudaLayer::group_device`] or `route_small`).
+    fn gemms_device(&self, ws: &CudaWorkspace) -> Result<()> {
+        let st = &self.dev.stream;
+        let s = &self.spec;
+        let (t, h, i, e, k) = (
+            ws.tokens,
+            s.shape.hidden,
+            s.shape.intermediate,
+            s.shape.experts,
+            s.routing.top_k,
+        );
+        let p = t * k;
+        let act = s.activation;
+        let act_id = crate::spec::Activation::ALL
+            .iter()
+            .position(|a| *a == act)
+            .unwrap_or(0) as i32;
+        let grouping = self.grouping(ws);
+        let a = ptr(&ws.a, st);
+        let hid = h as i32;
         let slots = p.min(e);
         let path = self.path_for(p, e);
         let (g, o, tw) = (ptr(&ws.g, st), ptr(&ws.o, st), ptr(&ws.weights, st));
@@ -1107,20 +1374,6 @@ impl CudaLayer {
                 num_active: ptr(&ws.sh_num, st),
             };
             let ones = ptr(&ws.sh_ones, st);
-            let tt = t as i32;
-            let cfg = LaunchConfig {
-                grid_dim: ((t as u32).div_ceil(256), 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch("shared_meta", cfg, |b| {
-                b.arg(&tt)
-                    .arg(&sh.offsets)
-                    .arg(&sh.sorted)
-                    .arg(&sh.active)
-                    .arg(&sh.num_active)
-                    .arg(&ones);
-            })?;
             let (sg, xs_p) = (ptr(&ws.sh_g, st), ptr(&ws.xs, st));
             sh_o = ptr(&ws.sh_o, st);
             let q1 = GemmParams {
@@ -1168,8 +1421,20 @@ impl CudaLayer {
         ws: &mut CudaWorkspace,
         logits: Option<&CudaSlice<f32>>,
     ) -> Result<()> {
-        self.route_device(ws, logits)?;
-        self.experts_device(ws)
+        if ws.tokens == 0 {
+            return Ok(());
+        }
+        match self.route_path_for(ws.tokens) {
+            RoutePath::Fused => {
+                let source = logits.map_or(RouteSource::Router, RouteSource::Logits);
+                self.route_small(ws, source)?;
+            }
+            RoutePath::Split => {
+                self.route_device(ws, logits)?;
+                self.group_device(ws)?;
+            }
+        }
+        self.gemms_device(ws)
     }
 }
 
@@ -1299,6 +1564,54 @@ mod tests {
             GemmPath::Decode
         );
         assert_eq!(GemmPath::choose(0, 0, h200, None), GemmPath::Decode);
+    }
+
+    #[test]
+    fn route_path_follows_tokens_and_the_fused_kernels_limits() {
+        use RoutePath::{Fused, Split};
+        let (h200, sm89) = (227 * 1024, 99 * 1024);
+        // Nemotron-3 Nano (E 128, top-6): fused up to the threshold, split above.
+        assert_eq!(RoutePath::choose(1, 6, 128, h200, None), Fused);
+        let max = ROUTE_FUSED_MAX_TOKENS;
+        assert_eq!(RoutePath::choose(max, 6, 128, h200, None), Fused);
+        assert_eq!(RoutePath::choose(max + 1, 6, 128, h200, None), Split);
+        // Forced either way (the layer's override or FP4MOE_ROUTE) ...
+        assert_eq!(RoutePath::choose(1, 6, 128, h200, Some(Split)), Split);
+        assert_eq!(RoutePath::choose(1024, 4, 128, h200, Some(Fused)), Fused);
+        // ... but never fused beyond its one-block sort or the device's shared memory.
+        assert_eq!(RoutePath::choose(1025, 4, 128, h200, Some(Fused)), Split);
+        let tiny = route_small_smem(1, 128, true) - 1;
+        assert_eq!(RoutePath::choose(1, 6, 128, tiny, None), Split);
+        assert_eq!(RoutePath::choose(1, 6, 128, tiny, Some(Fused)), Split);
+        // The limits (E 512, top-32) at the threshold fit sm_86/89's 99 KB.
+        assert_eq!(RoutePath::choose(max, 32, 512, sm89, None), Fused);
+        // Shared memory: top-k scratch (2·E + 64 floats per warp, at most 16 warps) or the
+        // sort's 33·E ints, whichever is larger.
+        assert_eq!(route_small_smem(1, 128, true), 4 * 33 * 128);
+        assert_eq!(route_small_smem(16, 512, true), 4 * 16 * (2 * 512 + 64));
+        assert_eq!(route_small_smem(100, 512, true), 4 * 16 * (2 * 512 + 64));
+        assert_eq!(route_small_smem(16, 512, false), 4 * 33 * 512);
+    }
+
+    #[test]
+    fn route_small_parameters_match_the_kernel() {
+        let src = SOURCES
+            .iter()
+            .find(|(f, _)| *f == "route_small.cu")
+            .map(|(_, s)| *s)
+            .unwrap();
+        for (name, mode) in [
+            ("ROUTE_FROM_ROUTER", ROUTE_FROM_ROUTER),
+            ("ROUTE_FROM_LOGITS", ROUTE_FROM_LOGITS),
+            ("ROUTE_FROM_IDS", ROUTE_FROM_IDS),
+        ] {
+            assert!(
+                src.contains(&format!("#define {name} {mode}\n")),
+                "{name} is not {mode}"
+            );
+        }
+        // 13 pointers, 10 ints, 2 floats, no padding (the kernel's struct).
+        assert_eq!(std::mem::size_of::<RouteSmallParams>(), 13 * 8 + 12 * 4);
     }
 
     #[test]

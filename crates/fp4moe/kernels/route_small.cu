@@ -1,0 +1,88 @@
+// Small batches: router logits, top-k, pair sort and input preparation in one launch
+// (router_logits → route_topk → sort_pairs → prepare_input of the split path, the same device
+// code, so ids, weights, grouping and the GEMM operand are bitwise those of the split path).
+//
+// Blocks of 1024 threads. mode ROUTE_FROM_ROUTER: grid = ceil(T·E / 32) blocks, warp
+// w = blockIdx.x·32 + warp-in-block computes logits[w] (t = w / E, e = w % E) as router_logits
+// does; then each block takes a ticket (atomicAdd on a workspace int) and only the block that
+// draws gridDim.x - 1, i.e. the last to finish its logits, goes on. It resets the counter to 0,
+// so the next launch (CUDA-graph replays included; launches on one stream are serialized) starts
+// from 0. No block ever waits on another, so residency does not matter. ROUTE_FROM_LOGITS (logits
+// given, [T, E]) and ROUTE_FROM_IDS (ids and weights given, [T, k]) run one block.
+// The continuing block then runs, separated by __syncthreads:
+//   1. top-k (modes ROUTER/LOGITS): warps 0..topk_warps-1 take tokens t = w, w + topk_warps, ...
+//      (routing.cuh), scratch [topk_warps][2·E + 64] floats;
+//   2. the pair sort of T·k pairs (sort_pairs.cuh), scratch [32][E] + [E] ints;
+//   3. prepare_input of every token (prepare_input.cuh), no scratch: tokens over up to 8 groups of
+//      threads.
+// Dynamic shared memory: the largest phase's scratch (the phases reuse it). Limits (checked by
+// the host): E <= 512, top_k <= 32, T·k <= 4096, topk_warps in 1..32.
+#include "routing.cuh"
+#include "sort_pairs.cuh"
+#include "prepare_input.cuh"
+
+#define ROUTE_FROM_ROUTER 0
+#define ROUTE_FROM_LOGITS 1
+#define ROUTE_FROM_IDS 2
+
+// The layout matches the host's `RouteSmallParams` (13 pointers, 10 ints, 2 floats).
+struct RouteSmallParams {
+    const float* x;          // [T, H]
+    const float* router;     // [E, H]; ROUTE_FROM_ROUTER only
+    float* logits;           // [T, E]: written (ROUTER), read (ROUTER, LOGITS)
+    const float* bias;       // [E] or null
+    int* ids;                // [T, k]: written (ROUTER, LOGITS) or read (IDS)
+    float* weights;          // [T, k]
+    int* offsets;            // [E + 1]
+    int* sorted;             // [T·k]
+    int* active;             // [E]
+    int* num_active;         // [1]
+    __nv_bfloat16* a;        // [T, H]
+    __nv_bfloat16* xs;       // [T, H] or null (no shared expert)
+    int* ticket;             // [1], 0 between launches
+    int mode, tokens, hidden, experts, top_k, scoring, n_group, topk_group, renormalize, topk_warps;
+    float rsf, gs;
+};
+
+extern "C" __global__ void __launch_bounds__(1024) route_small(const RouteSmallParams p) {
+    extern __shared__ float smem[];
+    const int tokens = p.tokens, experts = p.experts;
+    const int w = threadIdx.x >> 5;
+    if (p.mode == ROUTE_FROM_ROUTER) {
+        int logit = blockIdx.x * 32 + w;
+        if (logit < tokens * experts) {  // no early return: every thread reaches the barriers
+            float acc = router_logit(p.x, p.router, logit / experts, logit % experts, p.hidden);
+            if ((threadIdx.x & 31) == 0) p.logits[logit] = acc;
+        }
+        // Release: this block's logits reach L2 before its ticket is taken.
+        __threadfence();
+        __syncthreads();
+        int ticket = 0;
+        if (threadIdx.x == 0) {
+            ticket = atomicAdd(p.ticket, 1);
+            __threadfence();  // acquire: the other blocks' logits are read after their tickets
+        }
+        if (!__syncthreads_or(threadIdx.x == 0 && ticket == (int)gridDim.x - 1)) return;
+        if (threadIdx.x == 0) *p.ticket = 0;  // every block has drawn: ready for the next launch
+    }
+    if (p.mode != ROUTE_FROM_IDS) {
+        if (w < p.topk_warps) {
+            for (int t = w; t < tokens; t += p.topk_warps)
+                topk_token(p.logits + (size_t)t * experts, p.bias, p.ids + t * p.top_k, p.weights + t * p.top_k,
+                           smem + w * (2 * experts + 64), experts, p.top_k, p.scoring, p.n_group, p.topk_group,
+                           p.renormalize, p.rsf);
+        }
+        __syncthreads();  // ids are in global memory for the sort, the scratch is free
+    }
+    sort_pairs_block(p.ids, tokens * p.top_k, experts, p.offsets, p.sorted, p.active, p.num_active,
+                     reinterpret_cast<int*>(smem));
+    // Power-of-two thread groups (1024 / groups threads, warp-aligned), at most 8, one token each.
+    int groups = 1;
+    while (groups < tokens && groups < 8) groups <<= 1;
+    const int size = blockDim.x / groups, g = threadIdx.x / size;
+    for (int t = g; t < tokens; t += groups) {
+        size_t row = (size_t)t * p.hidden;
+        prepare_row(p.x + row, p.a + row, p.xs ? p.xs + row : nullptr, p.hidden, p.gs, threadIdx.x - g * size,
+                    size);
+    }
+}
