@@ -119,12 +119,18 @@ __device__ __forceinline__ __nv_bfloat162 bits_bf16x2(u32 v) {
     return *reinterpret_cast<__nv_bfloat162*>(&v);
 }
 
-// Read-only, not-L1-allocating load for streamed weights (the bf16 decode GEMMs). `volatile`: a
-// non-volatile asm load counts as side-effect free and was speculated above its bounds guard
-// (compute-sanitizer caught it); the MMAs are non-volatile asm, so the compiler still schedules them around these loads.
+// Read-only, not-L1-allocating loads for streamed weights. `volatile`: a non-volatile asm load
+// counts as side-effect free and was speculated above its bounds guard (compute-sanitizer caught
+// it); the MMAs are non-volatile asm, so the compiler still schedules them around these loads.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     uint4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint2 ld_stream2(const uint2* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     return r;
 }

@@ -8,9 +8,6 @@
 // and epilogues: gemm_common.cuh). Gated, a warp owns gate rows [16r, 16r+16) and up
 // rows I + [16r, 16r+16), so g = act(h_gate) · h_up never leaves registers.
 //
-// NVFP4 weights reach shared memory through a per-warp cp.async ring (DEC_DEPTH k groups), bf16
-// weights come straight into registers.
-//
 // Prepared weight layout (crates/fp4moe/src/cuda/pack.rs), per expert, row group rg and 64-wide k
 // group kg: NVFP4 data 32 lanes x 16 bytes (lane L = 4g + q, bytes 4j..4j+3 for k block j:
 // rows g, g+8 at k 2q..2q+1 and rows g, g+8 at k 2q+8..2q+9, i.e. the mma A fragment) and scales
@@ -84,10 +81,6 @@ __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 s
     }
 }
 
-// NVFP4 k groups per warp in flight or buffered (shared memory: DEC_DEPTH x 576 bytes per warp,
-// twice that gated; cuda::gemm_smem on the host).
-#define DEC_DEPTH 7
-
 // KIND 0: NVFP4 weights, 1: bf16 weights. STAGE 1: GEMM1 + activation, 2: GEMM2.
 template <int KIND, int STAGE, bool GATED, int NSUB, int RGPB, int NWARPS>
 __device__ __forceinline__ void gemm_body(const GemmParams& p) {
@@ -116,32 +109,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 
     const int kp = p.kg * 64;
     const int stride = kp + 8;
-    // NVFP4 weight ring (see below) after the activations / split-K sums.
-    constexpr int GBYTES = GATED ? 1152 : 576;
-    constexpr int RED_BYTES = (KSPLIT - 1) * RGPB * 32 * NACC * 4;
-    const int act_bytes = NT * stride * 2;
-    unsigned char* wring = smem_raw + 2048 + max(act_bytes, RED_BYTES);
-    const size_t wrow = (size_t)e * p.rg_w + rg, wrow_up = wrow + p.rg_out;
-    const bool streams = KIND == 0 && active_warp && k_lo < k_hi;
-    // Copies of k group kgi into ring slot `slot`: 32 lanes x 16 bytes of data, 4 lanes x 16
-    // bytes of scales (gated: both again for the up rows).
-    auto issue = [&](int kgi, int slot) {
-        unsigned char* dst = wring + (warp * DEC_DEPTH + slot) * GBYTES;
-        cp_async16(dst + lane * 16, p.wdata + ((wrow * p.kg + kgi) * 32 + lane) * 16, 16);
-        if (lane < 4) cp_async16(dst + 512 + lane * 16, p.wscales + (wrow * p.kg + kgi) * 64 + lane * 16, 16);
-        if (GATED) {
-            cp_async16(dst + 576 + lane * 16, p.wdata + ((wrow_up * p.kg + kgi) * 32 + lane) * 16, 16);
-            if (lane < 4) cp_async16(dst + 1088 + lane * 16, p.wscales + (wrow_up * p.kg + kgi) * 64 + lane * 16, 16);
-        }
-    };
     for (int t0 = 0; t0 < n_e; t0 += NT) {
-        if (streams) {
-#pragma unroll
-            for (int i = 0; i < DEC_DEPTH - 1; i++) {
-                if (i < k_hi - k_lo) issue(k_lo + i, i);
-                cp_async_commit();
-            }
-        }
         __syncthreads();
         int nvalid = min(NT, n_e - t0);
         int nsub_valid = (nvalid + 7) / 8;
@@ -164,25 +132,34 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
             for (int c = 0; c < 4; c++) acc[s][c] = accu[s][c] = 0.0f;
 
         if (active_warp && k_lo < k_hi) {
+            size_t wrow = (size_t)e * p.rg_w + rg;
+            size_t wrow_up = wrow + p.rg_out;
             if (KIND == 0) {
-                // Per-warp ring of DEC_DEPTH k groups (data, scales; gated: then the up rows'),
-                // filled by cp.async DEC_DEPTH - 1 groups ahead: the prologue went out before
-                // the activation staging, so a short K slice arrives in one memory round trip.
-                unsigned char* wr = wring + warp * DEC_DEPTH * GBYTES;
-                for (int i = 0; i < k_hi - k_lo; i++) {
-                    if (i + DEC_DEPTH - 1 < k_hi - k_lo) issue(k_lo + i + DEC_DEPTH - 1, (i + DEC_DEPTH - 1) % DEC_DEPTH);
-                    cp_async_commit();
-                    cp_async_wait<DEC_DEPTH - 1>();  // group i has landed (this lane's copies)
-                    __syncwarp();                    // ... and every other lane's
-                    const unsigned char* slot = wr + (i % DEC_DEPTH) * GBYTES;
-                    uint4 d = *reinterpret_cast<const uint4*>(slot + lane * 16), du = d;
-                    uint2 sc = *reinterpret_cast<const uint2*>(slot + 512 + g * 8), su = sc;
+                const uint4* wd = reinterpret_cast<const uint4*>(p.wdata) + wrow * p.kg * 32 + lane;
+                const uint2* ws = reinterpret_cast<const uint2*>(p.wscales) + wrow * p.kg * 8 + g;
+                const uint4* wdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * p.kg * 32 + lane;
+                const uint2* wsu = reinterpret_cast<const uint2*>(p.wscales) + wrow_up * p.kg * 8 + g;
+                // Software pipeline, two k groups deep: a group's registers are refilled with
+                // the group two ahead as soon as its MMAs are issued.
+                uint4 da = make_uint4(0, 0, 0, 0), dua = da, db = da, dub = da;
+                uint2 sa = make_uint2(0, 0), sua = sa, sb = sa, sub = sa;
+                auto load = [&](int kgi, uint4& d, uint2& sc, uint4& du, uint2& su) {
+                    d = ld_stream(wd + kgi * 32);
+                    sc = ld_stream2(ws + kgi * 8);
                     if (GATED) {
-                        du = *reinterpret_cast<const uint4*>(slot + 576 + lane * 16);
-                        su = *reinterpret_cast<const uint2*>(slot + 1088 + g * 8);
+                        du = ld_stream(wdu + kgi * 32);
+                        su = ld_stream2(wsu + kgi * 8);
                     }
-                    nvfp4_kgroup<NSUB, GATED>(d, sc, du, su, k_lo + i, acc, accu, lut4, lut8, sact, stride, g, q, nsub_valid);
-                    __syncwarp();  // the slot is read before a later issue refills it
+                };
+                load(k_lo, da, sa, dua, sua);
+                if (k_lo + 1 < k_hi) load(k_lo + 1, db, sb, dub, sub);
+                for (int kgi = k_lo; kgi < k_hi; kgi += 2) {
+                    nvfp4_kgroup<NSUB, GATED>(da, sa, dua, sua, kgi, acc, accu, lut4, lut8, sact, stride, g, q, nsub_valid);
+                    if (kgi + 2 < k_hi) load(kgi + 2, da, sa, dua, sua);
+                    if (kgi + 1 < k_hi) {
+                        nvfp4_kgroup<NSUB, GATED>(db, sb, dub, sub, kgi + 1, acc, accu, lut4, lut8, sact, stride, g, q, nsub_valid);
+                        if (kgi + 3 < k_hi) load(kgi + 3, db, sb, dub, sub);
+                    }
                 }
             } else {
                 const int kb_n = kp / 16;

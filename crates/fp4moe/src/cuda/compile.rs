@@ -481,21 +481,6 @@ mod tests {
     }
 
     #[test]
-    fn decode_ring_depth_matches_the_kernel() {
-        let src = SOURCES
-            .iter()
-            .find(|(f, _)| *f == "expert_gemm.cu")
-            .map(|(_, s)| *s)
-            .unwrap();
-        let depth: usize = src
-            .lines()
-            .find_map(|l| l.strip_prefix("#define DEC_DEPTH "))
-            .and_then(|v| v.trim().parse().ok())
-            .expect("DEC_DEPTH defined in expert_gemm.cu");
-        assert_eq!(depth, super::super::DEC_DEPTH);
-    }
-
-    #[test]
     fn ptxas_report_is_parsed() {
         let log = "ptxas info    : Compiling entry function 'gemm2_nvfp4_n2' for 'sm_90a'\n\
                    ptxas info    : Function properties for gemm2_nvfp4_n2\n\

@@ -481,10 +481,12 @@ const SORT_CHUNK: usize = 2048;
 /// Most pairs the one-block pair sort (`sort_pairs`, and `route_small`'s sort) takes.
 const SORT_ONE_BLOCK_MAX: usize = 2 * SORT_CHUNK;
 
-/// Largest token count routed by the fused `route_small` kernel by default. A first guess
-/// (awaiting measurement): the fused kernel saves three launches but runs top-k, the sort and
-/// the input preparation of the whole batch in one block, which stops paying off as T grows.
-pub const ROUTE_FUSED_MAX_TOKENS: usize = 16;
+/// Largest token count routed by the fused `route_small` kernel by default. The fused kernel
+/// saves three launches but runs top-k, the sort and the input preparation of the whole batch
+/// in one block. Measured on the H200 (Nemotron shape, KERNEL_NOTES run 22, graph replays):
+/// at 1 token 1.0 µs faster (W4A16) and level (W4A4); at 2 tokens 0.7 µs faster (W4A16) but
+/// 0.6 µs slower (W4A4); slower from 4 (W4A4: 4.6 µs).
+pub const ROUTE_FUSED_MAX_TOKENS: usize = 1;
 
 /// Most warps of `route_small`'s top-k phase (one token each, looping beyond): bounds its
 /// shared scratch of `2·E + 64` floats per warp (69.6 KB at E = 512, about the sort's 67.5 KB).
@@ -708,25 +710,14 @@ impl GemmPath {
     }
 }
 
-/// NVFP4 k groups each decode-GEMM warp buffers (`DEC_DEPTH` in `expert_gemm.cu`).
-const DEC_DEPTH: usize = 7;
-
 /// Dynamic shared memory of a decode GEMM block: two lookup tables, then `8·nsub` activation
-/// rows, reused afterwards for the split-K partial sums (whichever is larger), then (NVFP4
-/// weights) each warp's ring of [`DEC_DEPTH`] k groups of 576 bytes (twice that gated).
-fn gemm_smem(nsub: usize, k: usize, gated: bool, nvfp4: bool, shape: GemmShape) -> usize {
+/// rows, reused afterwards for the split-K partial sums (whichever is larger).
+fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
     let act = 8 * nsub * (pack::padded_k(k) + 8) * 2;
     let rgpb = shape.rgpb(nsub);
-    let warps = GemmShape::warps(nsub);
-    let ksplit = warps / rgpb;
-    let sets = if gated { 2 } else { 1 };
-    let red = (ksplit - 1) * rgpb * 32 * nsub * 4 * sets * 4;
-    let ring = if nvfp4 {
-        warps * DEC_DEPTH * 576 * sets
-    } else {
-        0
-    };
-    2048 + act.max(red) + ring
+    let ksplit = GemmShape::warps(nsub) / rgpb;
+    let red = (ksplit - 1) * rgpb * 32 * nsub * 4 * if gated { 2 } else { 1 } * 4;
+    2048 + act.max(red)
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -997,7 +988,7 @@ impl CudaLayer {
     /// routing: 1 up to 4, 2 up to 12, else 4, and never more than shared memory allows.
     /// Busier experts take several passes (their weights come from L2 the second time); larger
     /// tiles cost more than that in occupancy (measured: docs/KERNEL_NOTES.md).
-    fn nsub(&self, tokens: usize, k: usize, gated: bool, nvfp4: bool, shape: GemmShape) -> usize {
+    fn nsub(&self, tokens: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
         let per_expert = (tokens * self.spec.routing.top_k)
             .div_ceil(self.spec.shape.experts)
             .max(1);
@@ -1011,7 +1002,7 @@ impl CudaLayer {
         [4, 2, 1]
             .into_iter()
             .filter(|&n| n <= want)
-            .find(|&n| gemm_smem(n, k, gated, nvfp4, shape) <= self.dev.max_shared_bytes)
+            .find(|&n| gemm_smem(n, k, gated, shape) <= self.dev.max_shared_bytes)
             .unwrap_or(1)
     }
 
@@ -1027,9 +1018,9 @@ impl CudaLayer {
     ) -> Result<()> {
         let gated = name.contains("gated");
         let shape = GemmShape::for_tokens(tokens);
-        let nsub = self.nsub(tokens, proj.k, gated, proj.nvfp4, shape);
+        let nsub = self.nsub(tokens, proj.k, gated, shape);
         let kname = format!("{name}_{}_n{nsub}", shape.name());
-        let smem = gemm_smem(nsub, proj.k, gated, proj.nvfp4, shape) as u32;
+        let smem = gemm_smem(nsub, proj.k, gated, shape) as u32;
         if smem as usize > self.dev.max_shared_bytes {
             return Err(Error::Unsupported {
                 backend: "cuda".into(),
@@ -1223,7 +1214,8 @@ impl CudaLayer {
         let hid = h as i32;
         let cfg = LaunchConfig {
             grid_dim: (t as u32, 1, 1),
-            block_dim: (128, 1, 1),
+            // 256 threads: a few tokens' rows take a few loop trips each, not ~20.
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         self.launch("prepare_input", cfg, |b| {
