@@ -61,6 +61,22 @@ __device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4],
     }
 }
 
+// Table-free dequantization for one-subtile blocks (a few tokens per expert): the tables' shared-
+// memory lookups kept the L1/shared pipe 64 % busy at T = 1 (KERNEL_NOTES run 23) while the
+// register cost that made the ALU version slower for wider tiles (run 9) does not arise with one
+// subtile. Products then carry 2^-8, undone in the epilogue.
+template <int NSUB>
+__device__ constexpr bool alu_dequant() { return NSUB == 1; }
+
+// The A fragment of k block j of a 64-wide group: packed word w, scale words s (rows g, g + 8).
+template <int NSUB>
+__device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, const u32* lut4, const u32* lut8, u32 a[4]) {
+    if (alu_dequant<NSUB>())
+        dequant_fragment_alu(w, scales_to_bf16x2(s.x, j >> 1), scales_to_bf16x2(s.y, j >> 1), j, a);
+    else
+        dequant_fragment(w, (s.x >> (8 * j)) & 0xff, (s.y >> (8 * j)) & 0xff, lut4, lut8, a);
+}
+
 // One 64-wide k group of NVFP4 weights against the staged activations.
 template <int NSUB, bool GATED>
 __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 su, int kgi, float acc[NSUB][4],
@@ -72,10 +88,10 @@ __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 s
     for (int j = 0; j < 4; j++) {
         int kc = (kgi * 4 + j) * 16 + 2 * q;
         u32 a[4];
-        dequant_fragment(dw[j], (s.x >> (8 * j)) & 0xff, (s.y >> (8 * j)) & 0xff, lut4, lut8, a);
+        decode_fragment<NSUB>(dw[j], s, j, lut4, lut8, a);
         mma_subtiles<NSUB>(acc, a, sact, stride, kc, g, nsub_valid);
         if (GATED) {
-            dequant_fragment(duw[j], (su.x >> (8 * j)) & 0xff, (su.y >> (8 * j)) & 0xff, lut4, lut8, a);
+            decode_fragment<NSUB>(duw[j], su, j, lut4, lut8, a);
             mma_subtiles<NSUB>(accu, a, sact, stride, kc, g, nsub_valid);
         }
     }
@@ -105,7 +121,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     int per = (p.kg + KSPLIT - 1) / KSPLIT;
     int k_lo = min(ks * per, p.kg), k_hi = min(k_lo + per, p.kg);
 
-    fill_dequant_tables(lut4, lut8);
+    if (!alu_dequant<NSUB>()) fill_dequant_tables(lut4, lut8);
 
     const int kp = p.kg * 64;
     const int stride = kp + 8;
@@ -113,15 +129,16 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         __syncthreads();
         int nvalid = min(NT, n_e - t0);
         int nsub_valid = (nvalid + 7) / 8;
-        int chunks = kp / 8;
-        for (int idx = threadIdx.x; idx < nsub_valid * 8 * chunks; idx += blockDim.x) {
-            int r = idx / chunks, c8 = idx % chunks;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (r < nvalid && c8 * 8 < p.k) {
-                int arow = (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + r] / p.top_k : base + t0 + r;
-                v = *reinterpret_cast<const uint4*>(p.act + (size_t)arow * p.k + c8 * 8);
+        // A warp per row (its source row resolved once), lanes over the row's 16-byte pieces.
+        const int chunks = kp / 8;
+        for (int r = warp; r < nsub_valid * 8; r += NWARPS) {
+            int arow = -1;
+            if (r < nvalid) arow = (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + r] / p.top_k : base + t0 + r;
+            for (int c8 = lane; c8 < chunks; c8 += 32) {
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (arow >= 0 && c8 * 8 < p.k) v = *reinterpret_cast<const uint4*>(p.act + (size_t)arow * p.k + c8 * 8);
+                *reinterpret_cast<uint4*>(sact + r * stride + c8 * 8) = v;
             }
-            *reinterpret_cast<uint4*>(sact + r * stride + c8 * 8) = v;
         }
         __syncthreads();
 
@@ -204,10 +221,11 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 }
         }
 
+        const float unscale = KIND == 0 && alu_dequant<NSUB>() ? NVFP4_DEQ_UNSCALE : 1.0f;
         if (STAGE == 1)
-            store_gemm1<NSUB, GATED>(p, acc, accu, e, base, n_e, t0, rg, nsub_valid, 1.0f);
+            store_gemm1<NSUB, GATED>(p, acc, accu, e, base, n_e, t0, rg, nsub_valid, unscale);
         else
-            store_gemm2<NSUB>(p, acc, e, base, n_e, t0, rg, nsub_valid, 1.0f);
+            store_gemm2<NSUB>(p, acc, e, base, n_e, t0, rg, nsub_valid, unscale);
     }
 }
 
