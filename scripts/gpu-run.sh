@@ -100,7 +100,7 @@ if has tiles; then
 fi
 if has routes; then
   # Fused small-batch routing (route_small) against the split kernels around
-  # ROUTE_FUSED_MAX_TOKENS (16), both modes (W4A4 quantizes the input in the same launch).
+  # ROUTE_FUSED_MAX_TOKENS (1), both modes (W4A4 quantizes the input in the same launch).
   for mode in w4a16 w4a4; do
     for route in split fused; do
       echo "== FP4MOE_ROUTE=$route $mode"

@@ -15,9 +15,9 @@
 // four A-fragment registers.
 #include "gemm_common.cuh"
 
-// The decode kernels dequantize through two shared-memory tables (measured faster here than
-// gemm_common.cuh's table-free dequant_fragment_alu, which the prefill kernels use: run 9 in
-// docs/KERNEL_NOTES.md): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
+// The decode kernels with two or four token subtiles dequantize through two shared-memory tables
+// (measured faster there than gemm_common.cuh's table-free dequant_fragment_alu, which the
+// prefill kernels and the one-subtile variants use: runs 9 and 24 in docs/KERNEL_NOTES.md): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
 // lut8[s] = bf16x2 (S, S) of E4M3 byte s. Every product e2m1 · S has at most 6 significant bits,
 // so the bf16 multiply is exact.
 __device__ __forceinline__ void fill_dequant_tables(u32* lut4, u32* lut8) {

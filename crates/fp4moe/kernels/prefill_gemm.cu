@@ -17,8 +17,8 @@
 // the sorted pairs) in the no-swizzle K-major core-matrix layout wgmma reads B from:
 //     byte (n, k) of the B part = (n / 8)·1024 + (k / 8)·128 + (n % 8)·16 + (k % 8)·2
 // (LBO, the next 8 k, = 128 bytes; SBO, the next 8 tokens, = 1024 bytes). Copy i of a round
-// writes bytes 16i..16i+15, so the ring fills without bank conflicts. Each warp reads its two
-// fragments back (one 16-byte load per lane each) and dequantizes them in registers without
+// writes bytes 16i..16i+15, so the ring fills without bank conflicts. Each warp reads its
+// fragment(s) back (one 16-byte load per lane each) and dequantizes them in registers without
 // tables (dequant_fragment_alu: products carry 2^-8, undone in the epilogue).
 //
 // sm_90a: per 16 k, one wgmma.m64nNk16 (A from registers, N = 16 to 128) per half, committed
@@ -411,7 +411,9 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p) {
         prefill_tile<GATED, STAGE, NT / 2, NT, HALVES>(p, srow, ring, e, base, n_e, t0, nvalid);
 }
 
+// 512 threads: one 16-row slot per warp; 256: two (HALVES = 512 / THREADS).
 #define PREFILL(NAME, GATED, STAGE, NT, THREADS, BLOCKS)                                          \
+    static_assert(THREADS == 256 || THREADS == 512, "a block covers 16 slots with 8 or 16 warps"); \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(const GemmParams p) { \
         prefill_body<GATED, STAGE, NT, 512 / THREADS>(p);                                         \
     }

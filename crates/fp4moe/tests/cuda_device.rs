@@ -469,7 +469,8 @@ fn fused_routing_matches_split_bitwise() {
     }
     for quant in [QuantMode::W4A16, W4A4] {
         for shared in [None, Some(256)] {
-            for t in [1, 7, 16] {
+            // 40: the top-k warps take several tokens each.
+            for t in [1, 7, 16, 40] {
                 // Sigmoid scoring with a bias, rsf 2.5, grouped selection (4 groups, keep 2).
                 let mut s = spec(1024, 512, 64, 6, Activation::Relu2NoMul, quant);
                 s.routing.n_group = 4;
@@ -488,6 +489,42 @@ fn fused_routing_matches_split_bitwise() {
     s.shared_intermediate = Some(128);
     for t in [1, 16] {
         check_fused(s, t, 7200 + t as u64);
+    }
+}
+
+/// The decode GEMMs give a token the same bits whether its batch takes one token subtile per
+/// pass (table-free dequantization, `_n1`), two or four (shared-memory tables, `_n2`/`_n4`):
+/// 16, 48 and 100 tokens over 16 experts, top-4 (4, 12 and 25 per expert), all with the wide
+/// block shape (same K split), the first 16 tokens compared.
+#[test]
+fn decode_token_subtiles_agree_bitwise() {
+    if !common::gpu_available() {
+        return;
+    }
+    for (act, quant) in [
+        (Activation::Relu2NoMul, QuantMode::W4A16),
+        (Activation::Silu, QuantMode::W4A16),
+        (Activation::Silu, W4A4),
+    ] {
+        let s = spec(1024, 512, 16, 4, act, quant);
+        let x = random_tokens(100, 1024, 8100);
+        let w = with_scales(&s, random_weights(&s, 8101).unwrap(), &x);
+        let logits = router_logits(&x, w.router.as_ref().unwrap(), 1024, 16);
+        let mut layer = CudaLayer::new(&s, &w).unwrap();
+        layer.set_gemm_path(Some(GemmPath::Decode));
+        let first = 16 * 1024;
+        let (one, _) = run_device(&layer, &x[..first], &logits[..16 * 16]);
+        for tokens in [48, 100] {
+            let (out, _) = run_device(&layer, &x[..tokens * 1024], &logits[..tokens * 16]);
+            assert!(
+                out[..first]
+                    .iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{act} {quant}: the first 16 tokens differ between batches of 16 and {tokens}"
+            );
+        }
+        println!("decode subtiles {act} {quant}: 16 / 48 / 100 tokens bitwise equal");
     }
 }
 

@@ -423,6 +423,26 @@ pub const MAX_EXPERTS: usize = 512;
 pub const MAX_TOP_K: usize = 32;
 pub const MAX_GROUPS: usize = 32;
 
+/// The kernels' limits for `spec` ([`MAX_EXPERTS`], [`MAX_TOP_K`], [`MAX_GROUPS`]): beyond them
+/// the routing kernels would write past their shared-memory scratch. `MoeLayer` checks them
+/// through the backend's capabilities; [`CudaLayer::new`] checks them again for direct users.
+fn check_limits(spec: &MoeSpec) -> Result<()> {
+    let r = &spec.routing;
+    for (what, value, max) in [
+        ("experts", spec.shape.experts, MAX_EXPERTS),
+        ("top_k", r.top_k, MAX_TOP_K),
+        ("n_group", r.n_group, MAX_GROUPS),
+    ] {
+        if value > max {
+            return Err(Error::Unsupported {
+                backend: "cuda".into(),
+                reason: format!("{what} = {value}; the CUDA kernels handle at most {max}"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Block shapes of the decode GEMMs: row groups per block (the rest of the 16 warps split K).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GemmShape {
@@ -516,7 +536,8 @@ impl RoutePath {
     /// The path for `tokens` tokens routed to `top_k` of `experts` experts: `forced` when given,
     /// else fused up to [`ROUTE_FUSED_MAX_TOKENS`] tokens; split whenever the fused kernel
     /// cannot run (more pairs than its one-block sort takes, or more shared memory than the
-    /// device allows).
+    /// device allows) or would not give the split path's bits (from `ROUTER_TILED_FROM`
+    /// tokens the split path computes logits with the tiled kernel, another summation order).
     pub fn choose(
         tokens: usize,
         top_k: usize,
@@ -525,6 +546,7 @@ impl RoutePath {
         forced: Option<Self>,
     ) -> Self {
         let fits = tokens * top_k <= SORT_ONE_BLOCK_MAX
+            && tokens < ROUTER_TILED_FROM
             && route_small_smem(tokens, experts, true) <= max_shared_bytes;
         match forced {
             _ if !fits => RoutePath::Split,
@@ -729,6 +751,7 @@ impl CudaLayer {
     /// Uploads `weights` (validated against `spec`) in the kernels' layout.
     pub fn new(spec: &MoeSpec, weights: &MoeWeights) -> Result<Self> {
         weights.validate(spec)?;
+        check_limits(spec)?;
         let dev = device()?;
         dev.kernels()?;
         let st = &dev.stream;
@@ -1559,6 +1582,27 @@ mod tests {
     }
 
     #[test]
+    fn limits_are_checked_before_any_device_work() {
+        use crate::{spec::QuantMode, synthetic::Preset};
+        let spec = Preset::Nemotron3Nano.spec(QuantMode::W4A16);
+        assert!(check_limits(&spec).is_ok());
+        let mut many = spec;
+        many.shape.experts = MAX_EXPERTS + 1;
+        let mut wide = spec;
+        wide.routing.top_k = MAX_TOP_K + 1;
+        let mut groups = spec;
+        groups.routing.n_group = MAX_GROUPS + 1;
+        for (bad, what) in [(many, "experts"), (wide, "top_k"), (groups, "n_group")] {
+            match check_limits(&bad) {
+                Err(Error::Unsupported { reason, .. }) => {
+                    assert!(reason.starts_with(what), "{reason}")
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn route_path_follows_tokens_and_the_fused_kernels_limits() {
         use RoutePath::{Fused, Split};
         let (h200, sm89) = (227 * 1024, 99 * 1024);
@@ -1569,9 +1613,11 @@ mod tests {
         assert_eq!(RoutePath::choose(max + 1, 6, 128, h200, None), Split);
         // Forced either way (the layer's override or FP4MOE_ROUTE) ...
         assert_eq!(RoutePath::choose(1, 6, 128, h200, Some(Split)), Split);
-        assert_eq!(RoutePath::choose(1024, 4, 128, h200, Some(Fused)), Fused);
-        // ... but never fused beyond its one-block sort or the device's shared memory.
-        assert_eq!(RoutePath::choose(1025, 4, 128, h200, Some(Fused)), Split);
+        assert_eq!(RoutePath::choose(1023, 4, 128, h200, Some(Fused)), Fused);
+        // ... but never fused beyond its one-block sort, the device's shared memory or the
+        // split path's untiled router logits (bitwise equality).
+        assert_eq!(RoutePath::choose(683, 6, 128, h200, Some(Fused)), Split);
+        assert_eq!(RoutePath::choose(1024, 4, 128, h200, Some(Fused)), Split);
         let tiny = route_small_smem(1, 128, true) - 1;
         assert_eq!(RoutePath::choose(1, 6, 128, tiny, None), Split);
         assert_eq!(RoutePath::choose(1, 6, 128, tiny, Some(Fused)), Split);
