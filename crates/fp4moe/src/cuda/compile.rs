@@ -56,6 +56,25 @@ pub const SOURCES: [(&str, &str); 7] = [
     ),
 ];
 
+/// The value of `#define NAME value` in kernel source `file` (tests tie host constants to the
+/// kernels' own). Panics when the file or the define is missing.
+#[cfg(test)]
+pub(super) fn kernel_define(file: &str, name: &str) -> usize {
+    let src = SOURCES
+        .iter()
+        .find(|(f, _)| *f == file)
+        .map(|(_, s)| *s)
+        .unwrap_or_else(|| panic!("{file} is not a kernel source"));
+    let line = src
+        .lines()
+        .find(|l| l.starts_with(&format!("#define {name} ")))
+        .unwrap_or_else(|| panic!("{name} not defined in {file}"));
+    line.split_whitespace()
+        .nth(2)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} in {file} is not a number"))
+}
+
 /// The `extern "C"` kernels each file defines (`expert_gemm.cu` instantiates every weight kind,
 /// stage, block shape and token-tile count).
 pub fn kernel_names(file: &str) -> Vec<String> {
@@ -442,18 +461,7 @@ mod tests {
     #[test]
     fn prefill_shared_memory_matches_the_kernel() {
         // PREFILL_SMEM (host) from the kernel's own constants.
-        let src = SOURCES
-            .iter()
-            .find(|(f, _)| *f == "prefill_gemm.cu")
-            .map(|(_, s)| *s)
-            .unwrap();
-        let define = |name: &str| -> usize {
-            let line = src
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("{name} not defined"));
-            line.split_whitespace().nth(2).unwrap().parse().unwrap()
-        };
+        let define = |name: &str| kernel_define("prefill_gemm.cu", name);
         let (stages, ring) = (define("PF_STAGES"), define("PF_RING_OFFSET"));
         for (tile, nt, threads) in [
             (

@@ -480,11 +480,11 @@ impl GemmShape {
     /// `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for benchmarks).
     fn for_tokens(tokens: usize) -> Self {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
-        match tuning_knob(&KNOB, "FP4MOE_GEMM_SHAPE") {
-            Some("narrow") => GemmShape::Narrow,
-            Some("wide") => GemmShape::Wide,
-            _ if tokens >= 8 => GemmShape::Wide,
-            _ => GemmShape::Narrow,
+        let choices = [("narrow", GemmShape::Narrow), ("wide", GemmShape::Wide)];
+        match tuning_choice(&KNOB, "FP4MOE_GEMM_SHAPE", &choices) {
+            Some(shape) => shape,
+            None if tokens >= 8 => GemmShape::Wide,
+            None => GemmShape::Narrow,
         }
     }
 }
@@ -493,6 +493,17 @@ impl GemmShape {
 /// neither take the environment lock nor allocate for it.
 fn tuning_knob(cell: &'static OnceLock<Option<String>>, name: &str) -> Option<&'static str> {
     cell.get_or_init(|| std::env::var(name).ok()).as_deref()
+}
+
+/// The choice a tuning variable names among `choices` (value, choice); `None` when it is unset
+/// or names none of them.
+fn tuning_choice<T: Copy>(
+    cell: &'static OnceLock<Option<String>>,
+    name: &str,
+    choices: &[(&str, T)],
+) -> Option<T> {
+    let value = tuning_knob(cell, name)?;
+    choices.iter().find(|(v, _)| *v == value).map(|&(_, c)| c)
 }
 
 /// Pairs per chunk of the multi-block pair sort.
@@ -526,11 +537,8 @@ impl RoutePath {
     /// `FP4MOE_ROUTE=fused|split`, a benchmark knob.
     fn from_env() -> Option<Self> {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
-        match tuning_knob(&KNOB, "FP4MOE_ROUTE") {
-            Some("fused") => Some(RoutePath::Fused),
-            Some("split") => Some(RoutePath::Split),
-            _ => None,
-        }
+        let choices = [("fused", RoutePath::Fused), ("split", RoutePath::Split)];
+        tuning_choice(&KNOB, "FP4MOE_ROUTE", &choices)
     }
 
     /// The path for `tokens` tokens routed to `top_k` of `experts` experts: `forced` when given,
@@ -608,11 +616,8 @@ impl PrefillTile {
     /// `FP4MOE_PREFILL_TILE=32|128`, a benchmark knob.
     fn from_env() -> Option<Self> {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
-        match tuning_knob(&KNOB, "FP4MOE_PREFILL_TILE") {
-            Some("32") => Some(PrefillTile::Small),
-            Some("128") => Some(PrefillTile::Large),
-            _ => None,
-        }
+        let choices = [("32", PrefillTile::Small), ("128", PrefillTile::Large)];
+        tuning_choice(&KNOB, "FP4MOE_PREFILL_TILE", &choices)
     }
 
     /// The tile for `pairs` pairs over `experts` experts: `forced` when given, else 128-token
@@ -705,11 +710,8 @@ impl GemmPath {
     /// `FP4MOE_GEMM_PATH=decode|prefill`, a benchmark knob.
     fn from_env() -> Option<Self> {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
-        match tuning_knob(&KNOB, "FP4MOE_GEMM_PATH") {
-            Some("decode") => Some(GemmPath::Decode),
-            Some("prefill") => Some(GemmPath::Prefill),
-            _ => None,
-        }
+        let choices = [("decode", GemmPath::Decode), ("prefill", GemmPath::Prefill)];
+        tuning_choice(&KNOB, "FP4MOE_GEMM_PATH", &choices)
     }
 
     /// The path for `pairs` routed pairs over `experts` experts: `forced` when given, else
@@ -812,6 +814,16 @@ impl CudaLayer {
 
     pub fn spec(&self) -> &MoeSpec {
         &self.spec
+    }
+
+    /// The router weight `[E, H]` on the device, for routing without caller logits.
+    fn router_weight(&self) -> Result<&CudaSlice<f32>> {
+        self.router.as_ref().ok_or_else(|| {
+            Error::arg(
+                "router_logits",
+                "the layer has no router weight: pass router logits",
+            )
+        })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -944,12 +956,7 @@ impl CudaLayer {
         let logits_ptr = match logits {
             Some(l) => ptr(l, st),
             None => {
-                let router = self.router.as_ref().ok_or_else(|| {
-                    Error::arg(
-                        "router_logits",
-                        "the layer has no router weight: pass router logits",
-                    )
-                })?;
+                let router = self.router_weight()?;
                 // A warp per logit keeps the latency low for a few tokens; from
                 // ROUTER_TILED_FROM tokens the shared-memory tiled kernel reads x and the
                 // router weight 64 times less often.
@@ -1255,12 +1262,7 @@ impl CudaLayer {
         let (t, e) = (ws.tokens, s.shape.experts);
         let (router, logits) = match source {
             RouteSource::Router => {
-                let router = self.router.as_ref().ok_or_else(|| {
-                    Error::arg(
-                        "router_logits",
-                        "the layer has no router weight: pass router logits",
-                    )
-                })?;
+                let router = self.router_weight()?;
                 (ptr(router, st), ptr(&ws.logits, st))
             }
             RouteSource::Logits(l) => (0u64, ptr(l, st)),
@@ -1582,6 +1584,24 @@ mod tests {
     }
 
     #[test]
+    fn tuning_choice_maps_known_values_only() {
+        static SET: OnceLock<Option<String>> = OnceLock::new();
+        static ODD: OnceLock<Option<String>> = OnceLock::new();
+        static UNSET: OnceLock<Option<String>> = OnceLock::new();
+        // Cells filled up front: the variable names below are never read from the environment.
+        SET.get_or_init(|| Some("split".into()));
+        ODD.get_or_init(|| Some("Split".into()));
+        UNSET.get_or_init(|| None);
+        let choices = [("fused", RoutePath::Fused), ("split", RoutePath::Split)];
+        assert_eq!(
+            tuning_choice(&SET, "FP4MOE_TEST_UNREAD", &choices),
+            Some(RoutePath::Split)
+        );
+        assert_eq!(tuning_choice(&ODD, "FP4MOE_TEST_UNREAD", &choices), None);
+        assert_eq!(tuning_choice(&UNSET, "FP4MOE_TEST_UNREAD", &choices), None);
+    }
+
+    #[test]
     fn limits_are_checked_before_any_device_work() {
         use crate::{spec::QuantMode, synthetic::Preset};
         let spec = Preset::Nemotron3Nano.spec(QuantMode::W4A16);
@@ -1633,19 +1653,15 @@ mod tests {
 
     #[test]
     fn route_small_parameters_match_the_kernel() {
-        let src = SOURCES
-            .iter()
-            .find(|(f, _)| *f == "route_small.cu")
-            .map(|(_, s)| *s)
-            .unwrap();
         for (name, mode) in [
             ("ROUTE_FROM_ROUTER", ROUTE_FROM_ROUTER),
             ("ROUTE_FROM_LOGITS", ROUTE_FROM_LOGITS),
             ("ROUTE_FROM_IDS", ROUTE_FROM_IDS),
         ] {
-            assert!(
-                src.contains(&format!("#define {name} {mode}\n")),
-                "{name} is not {mode}"
+            assert_eq!(
+                compile::kernel_define("route_small.cu", name),
+                mode as usize,
+                "{name}"
             );
         }
         // 13 pointers, 10 ints, 2 floats, no padding (the kernel's struct).
