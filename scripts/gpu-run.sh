@@ -4,7 +4,7 @@
 # PyTorch bf16 peer on the same presets. Run from the repo root on the GPU machine after
 # ../shared/tools/gpu-stage. Logs go to $OUT/logs/ as they are written (a run cut short by the
 # time limit still returns them), benchmark JSON beside them.
-# usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [stalls] [shapes] [paths] [tiles] [routes] [bench] [torch]
+# usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [stalls] [shapes] [paths] [tiles] [decode] [routes] [bench] [torch]
 # (default: all but prefill-tests, which tests covers, and routes)
 # NCU_TOKENS (default "1 64 256") picks the ncu batch sizes, BENCH_MODES (default "w4a16 w4a4")
 # the bench modes, SAN_BINS / SAN_FILTER the sanitized test executables and cuda_device filter.
@@ -96,6 +96,19 @@ if has tiles; then
     echo "== FP4MOE_GEMM_PATH=${v%:*} FP4MOE_PREFILL_TILE=${v#*:}"
     FP4MOE_GEMM_PATH=${v%:*} FP4MOE_PREFILL_TILE=${v#*:} .gpu/fp4moe bench --preset ${TILES_PRESET:-nemotron3-nano} \
       --tokens ${TILES_TOKENS:-8,16,32,64,128,256,512,1024,2048} --backend cuda 2>&1 | tail -10 | tee -a $L/tiles.txt
+  done
+fi
+if has decode; then
+  # Decode kernels on the decode path with per-stage times: DECODE_CONFIGS entries are
+  # mma, stream (units per block chosen per call) or stream:N (N units forced).
+  for preset in ${DECODE_PRESETS:-nemotron3-nano qwen3-30b-a3b}; do
+    for c in ${DECODE_CONFIGS:-mma stream}; do
+      k=${c%%:*}; u=""; [ "$c" != "$k" ] && u=${c#*:}
+      echo "== FP4MOE_DECODE_KERNEL=$k FP4MOE_STREAM_UNITS=$u $preset"
+      FP4MOE_GEMM_PATH=decode FP4MOE_DECODE_KERNEL=$k FP4MOE_STREAM_UNITS=$u .gpu/fp4moe bench --preset $preset \
+        --tokens ${DECODE_TOKENS:-1,8,64} --backend cuda --stages --iterations ${DECODE_ITERS:-100} 2>&1 \
+        | grep -E "^ +[0-9]|stages|rror" | tee -a $L/decode.txt
+    done
   done
 fi
 if has routes; then

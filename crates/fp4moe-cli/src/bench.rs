@@ -71,6 +71,10 @@ pub(crate) struct Args {
     /// Timed graph replays per batch size (default: 200, 40 from 1024 tokens).
     #[arg(long)]
     pub iterations: Option<usize>,
+    /// CUDA: also time each stage (routing, GEMM1, GEMM2, combine): what it adds to a
+    /// replay of the layer cut after it (graphs of each prefix).
+    #[arg(long)]
+    pub stages: bool,
     /// Also draw time/floor against tokens as SVG: this run plus any --compare documents.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -157,6 +161,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
             .map(|r| random_tokens(t, sh, a.seed + 100 * t as u64 + r))
             .collect();
         let touched = experts_touched(&spec, &w, &inputs);
+        let mut stages = None;
         let (median, min) = match backend {
             Backend::Cuda => {
                 let iters = a
@@ -164,9 +169,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
                     .unwrap_or(if t >= 1024 { 40 } else { 200 })
                     .max(1);
                 let tm = step(&format!("timing {t} tokens"), || {
-                    fp4moe::cuda::bench::time_layer(&spec, &w, &inputs, 2, iters)
+                    fp4moe::cuda::bench::time_layer(&spec, &w, &inputs, 2, iters, a.stages)
                 })
                 .with_context(|| format!("{t} tokens"))?;
+                stages = tm.stages_us;
                 (tm.median_us, tm.min_us)
             }
             other => {
@@ -197,11 +203,26 @@ pub(crate) fn run(a: Args) -> Result<()> {
             "{t:>6} {median:>11.1} {min:>11.1} {touched:>8.1} {mem_floor:>13.1} {comp_floor:>14.1} {:>10.2}x {tflops:>9.1}",
             median / floor
         );
-        rows.push(serde_json::json!({
+        let mut row = serde_json::json!({
             "tokens": t, "median_us": median, "min_us": min, "experts_touched": touched,
             "memory_floor_us": mem_floor, "compute_floor_us": comp_floor, "time_over_floor": median / floor,
             "useful_tflops": tflops,
-        }));
+        });
+        if let Some(st) = stages {
+            let named: Vec<String> = fp4moe::cuda::STAGES
+                .iter()
+                .zip(&st)
+                .map(|(n, v)| format!("{n} {v:.1}"))
+                .collect();
+            println!("{:>6} stages µs (graph prefixes): {}", "", named.join(", "));
+            let map: serde_json::Map<String, serde_json::Value> = fp4moe::cuda::STAGES
+                .iter()
+                .zip(&st)
+                .map(|(n, v)| (n.to_string(), serde_json::json!(v)))
+                .collect();
+            row["stages_us"] = serde_json::Value::Object(map);
+        }
+        rows.push(row);
     }
     let doc = serde_json::json!({
         "preset": p.name(), "mode": spec.quant.to_string(), "backend": backend.name(), "device": device,

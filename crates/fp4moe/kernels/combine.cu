@@ -4,6 +4,8 @@
 
 extern "C" __global__ void combine(const float* __restrict__ o, const float* __restrict__ shared,
                                    float* __restrict__ y, int tokens, int top_k, int hidden) {
+    pdl_wait();
+    pdl_launch_dependents();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)tokens * hidden) return;
     size_t t = i / hidden, h = i % hidden;

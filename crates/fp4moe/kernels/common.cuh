@@ -87,6 +87,23 @@ __device__ __forceinline__ float apply_activation(int act, float h, float up) {
     }
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before). A kernel launched with programmatic
+// stream serialization may start while its predecessor runs: pdl_wait() returns once the
+// predecessor has completed and its writes are visible, so nothing the predecessor writes may be
+// read (or anything it reads be written) before it. pdl_launch_dependents() lets the next kernel
+// start once every block of this one has called it (or exited); each GEMM and the combine call it
+// right after their wait, so a successor never starts before this kernel's predecessor is done.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));

@@ -234,6 +234,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, CFG)                               \
     extern "C" __global__ void __launch_bounds__(NW * 32, (GATED || NSUB == 4 || KIND == 1) ? 1 : 2)             \
         NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                  \
+        pdl_wait();                                                                                    \
+        pdl_launch_dependents();                                                                       \
         gemm_body<KIND, STAGE, GATED, NSUB, RG, NW>(p);                                                \
     }
 #define INSTANTIATE(NAME, KIND, STAGE, GATED)                     \

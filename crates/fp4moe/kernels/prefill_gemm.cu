@@ -415,6 +415,8 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p) {
 #define PREFILL(NAME, GATED, STAGE, NT, THREADS, BLOCKS)                                          \
     static_assert(THREADS == 256 || THREADS == 512, "a block covers 16 slots with 8 or 16 warps"); \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(const GemmParams p) { \
+        pdl_wait();                                                                               \
+        pdl_launch_dependents();                                                                  \
         prefill_body<GATED, STAGE, NT, 512 / THREADS>(p);                                         \
     }
 PREFILL(prefill_gemm1_gated, true, 1, PF_NT, PF_THREADS, 1)

@@ -2,9 +2,9 @@
 // (router_logits → route_topk → sort_pairs → prepare_input of the split path, the same device
 // code, so ids, weights, grouping and the GEMM operand are bitwise those of the split path).
 //
-// Blocks of 1024 threads. mode ROUTE_FROM_ROUTER: grid = ceil(T·E / 32) blocks, warp
-// w = blockIdx.x·32 + warp-in-block computes logits[w] (t = w / E, e = w % E) as router_logits
-// does; then each block takes a ticket (atomicAdd on a workspace int) and only the block that
+// Blocks of 1024 threads. mode ROUTE_FROM_ROUTER: grid = ceil(T·E / n) blocks, each computing
+// n logits (n = 4 with eight warps each up to 1024 logits, else 32 of one warp), as
+// router_logits does; then each block takes a ticket (atomicAdd on a workspace int) and only the block that
 // draws gridDim.x - 1, i.e. the last to finish its logits, goes on. It resets the counter to 0,
 // so the next launch (CUDA-graph replays included; launches on one stream are serialized) starts
 // from 0. No block ever waits on another, so residency does not matter. ROUTE_FROM_LOGITS (logits
@@ -49,11 +49,8 @@ extern "C" __global__ void __launch_bounds__(1024) route_small(const RouteSmallP
     const int tokens = p.tokens, experts = p.experts;
     const int w = threadIdx.x >> 5;
     if (p.mode == ROUTE_FROM_ROUTER) {
-        int logit = blockIdx.x * 32 + w;
-        if (logit < tokens * experts) {  // no early return: every thread reaches the barriers
-            float acc = router_logit(p.x, p.router, logit / experts, logit % experts, p.hidden);
-            if ((threadIdx.x & 31) == 0) p.logits[logit] = acc;
-        }
+        // 32 warps, a logit per router_slices(T·E) of them (routing.cuh), as router_logits does.
+        router_logits_block(p.x, p.router, p.logits, tokens * experts, experts, p.hidden, smem);
         // Release: this block's logits reach L2 before its ticket is taken.
         __threadfence();
         __syncthreads();

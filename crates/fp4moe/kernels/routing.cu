@@ -2,13 +2,14 @@
 // formulas and the per-warp code are in routing.cuh (shared with route_small.cu).
 #include "routing.cuh"
 
-// logits[t, e] = x[t, :] · w[e, :] in f32; one warp per (t, e).
-extern "C" __global__ void router_logits(const float* __restrict__ x, const float* __restrict__ w,
-                                         float* __restrict__ logits, int tokens, int hidden, int experts) {
-    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (warp >= tokens * experts) return;
-    float acc = router_logit(x, w, warp / experts, warp % experts, hidden);
-    if ((threadIdx.x & 31) == 0) logits[warp] = acc;
+// logits[t, e] = x[t, :] · w[e, :] in f32; RL_WARPS-warp blocks, a logit per group of
+// router_slices(T·E) warps (routing.cuh).
+#define RL_WARPS 32
+extern "C" __global__ void __launch_bounds__(RL_WARPS * 32)
+    router_logits(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ logits, int tokens,
+                  int hidden, int experts) {
+    __shared__ float part[RL_WARPS];
+    router_logits_block(x, w, logits, tokens * experts, experts, hidden, part);
 }
 
 // The same logits for many tokens: 64 tokens x 64 experts per 256-thread block, each thread

@@ -10,12 +10,22 @@
 #pragma once
 #include "common.cuh"
 
-// logits[t, e] = x[t, :] · w[e, :] in f32 by one warp. With hidden % 4 == 0 each lane takes
-// 16-byte pieces c = lane, lane + 32, ... into four partial sums (one per component), added
-// pairwise, then warp_sum; eight pieces per lane are in flight at once, so a logit costs a few
-// memory round trips instead of hidden / 32 (a scalar loop was latency-bound: ~8 µs at T = 1,
-// KERNEL_NOTES run 21). Otherwise lane-strided scalars. Every lane gets the logit.
-__device__ __forceinline__ float router_logit(const float* x, const float* w, int t, int e, int hidden) {
+// logits[t, e] = x[t, :] · w[e, :] in f32 by `slices` warps (router_slices: RL_SLICES for up to
+// RL_SLICED_MAX_LOGITS logits, else 1): warp s sums k slice s (router_logit_slice), then the
+// slices are added in order. With hidden % 4 == 0
+// each lane takes the slice's 16-byte pieces c = lo + lane, lo + lane + 32, ... into four
+// partial sums (one per component), added pairwise, then warp_sum. Splitting K over 8 warps
+// puts a logit's loads in flight at once (one memory round trip at 2688 wide, where one warp
+// per logit needed three; and at one token the 128 logits spread over 32 SMs, not 4): 2 µs less
+// routing at one token (KERNEL_NOTES run 28). With many logits the sliced warps' loads are a
+// third full and routing slowed 1.6× at 256 tokens (run 30), hence one warp per logit there.
+// Otherwise lane-strided scalars. Every lane gets the slice's sum.
+#define RL_SLICES 8
+#define RL_SLICED_MAX_LOGITS 1024
+__device__ __forceinline__ int router_slices(int logits) { return logits <= RL_SLICED_MAX_LOGITS ? RL_SLICES : 1; }
+
+__device__ __forceinline__ float router_logit_slice(const float* x, const float* w, int t, int e, int hidden, int s,
+                                                    int slices) {
     int lane = threadIdx.x & 31;
     const float* xr = x + (size_t)t * hidden;
     const float* wr = w + (size_t)e * hidden;
@@ -23,9 +33,10 @@ __device__ __forceinline__ float router_logit(const float* x, const float* w, in
     if ((hidden & 3) == 0) {
         const float4* x4 = reinterpret_cast<const float4*>(xr);
         const float4* w4 = reinterpret_cast<const float4*>(wr);
+        const int n4 = hidden / 4, lo = s * n4 / slices, hi = (s + 1) * n4 / slices;
         float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma unroll 8
-        for (int c = lane; c < hidden / 4; c += 32) {
+#pragma unroll 4
+        for (int c = lo + lane; c < hi; c += 32) {
             float4 a = x4[c], b = w4[c];
             s0 = fmaf(a.x, b.x, s0);
             s1 = fmaf(a.y, b.y, s1);
@@ -34,9 +45,31 @@ __device__ __forceinline__ float router_logit(const float* x, const float* w, in
         }
         acc = (s0 + s1) + (s2 + s3);
     } else {
-        for (int c = lane; c < hidden; c += 32) acc += xr[c] * wr[c];
+        const int lo = s * hidden / slices, hi = (s + 1) * hidden / slices;
+        for (int c = lo + lane; c < hi; c += 32) acc += xr[c] * wr[c];
     }
     return warp_sum(acc);
+}
+
+// This block's logits of `count`: groups of router_slices(count) warps, group gi computing logit
+// blockIdx.x · groups + gi (when below count), slice sums through `part` (one float per warp of
+// shared memory), the group's first warp adding them in order. Every thread of the block must
+// call it (one __syncthreads).
+__device__ __forceinline__ void router_logits_block(const float* x, const float* w, float* logits, int count,
+                                                    int experts, int hidden, float* part) {
+    const int slices = router_slices(count), groups = (blockDim.x >> 5) / slices;
+    const int warp = threadIdx.x >> 5, gi = warp / slices, s = warp % slices;
+    const int logit = blockIdx.x * groups + gi;
+    if (logit < count) {
+        float v = router_logit_slice(x, w, logit / experts, logit % experts, hidden, s, slices);
+        if ((threadIdx.x & 31) == 0) part[warp] = v;
+    }
+    __syncthreads();
+    if (s == 0 && (threadIdx.x & 31) == 0 && logit < count) {
+        float acc = 0.0f;
+        for (int i = 0; i < slices; i++) acc += part[gi * slices + i];
+        logits[logit] = acc;
+    }
 }
 
 __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {

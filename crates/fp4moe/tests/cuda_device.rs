@@ -7,7 +7,7 @@
 mod common;
 
 use fp4moe::calibration::calibrate_with_router;
-use fp4moe::cuda::{CudaLayer, CudaWorkspace, GemmPath, RoutePath};
+use fp4moe::cuda::{CudaLayer, CudaWorkspace, DecodeKernel, GemmPath, RoutePath};
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
 use fp4moe::routing::router_logits;
@@ -41,6 +41,11 @@ fn spec(h: usize, i: usize, e: usize, k: usize, act: Activation, quant: QuantMod
         },
         shared_intermediate: None,
     }
+}
+
+/// Whether `a` and `b` agree bit for bit over the shorter of the two.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 fn with_scales(spec: &MoeSpec, mut w: MoeWeights, x: &[f32]) -> MoeWeights {
@@ -95,12 +100,7 @@ fn check(spec: MoeSpec, tokens: usize, seed: u64) {
     assert!(relative_l2(&topk.weights, &want_topk.weights) < 1e-6);
 
     let (again, _) = gpu.run(&x, Some(&logits)).unwrap();
-    assert!(
-        out.iter()
-            .zip(&again)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "not bitwise reproducible"
-    );
+    assert!(same_bits(&out, &again), "not bitwise reproducible");
 
     let err = sample_error(&spec, w, &x, &logits, &out, 12);
     println!(
@@ -211,9 +211,7 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
     }
     let (again, _) = run_device(&layer, &x, &logits);
     assert!(
-        out.iter()
-            .zip(&again)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        same_bits(&out, &again),
         "prefill path not bitwise reproducible"
     );
     layer.set_gemm_path(Some(GemmPath::Decode));
@@ -492,7 +490,7 @@ fn fused_routing_matches_split_bitwise() {
     }
 }
 
-/// The decode GEMMs give a token the same bits whether its batch takes one token subtile per
+/// The mma decode GEMMs give a token the same bits whether its batch takes one token subtile per
 /// pass (table-free dequantization, `_n1`), two or four (shared-memory tables, `_n2`/`_n4`):
 /// 16, 48 and 100 tokens over 16 experts, top-4 (4, 12 and 25 per expert), all with the wide
 /// block shape (same K split), the first 16 tokens compared.
@@ -512,19 +510,77 @@ fn decode_token_subtiles_agree_bitwise() {
         let logits = router_logits(&x, w.router.as_ref().unwrap(), 1024, 16);
         let mut layer = CudaLayer::new(&s, &w).unwrap();
         layer.set_gemm_path(Some(GemmPath::Decode));
+        layer.set_decode_kernel(Some(DecodeKernel::Mma));
         let first = 16 * 1024;
         let (one, _) = run_device(&layer, &x[..first], &logits[..16 * 16]);
         for tokens in [48, 100] {
             let (out, _) = run_device(&layer, &x[..tokens * 1024], &logits[..tokens * 16]);
             assert!(
-                out[..first]
-                    .iter()
-                    .zip(&one)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&out[..first], &one),
                 "{act} {quant}: the first 16 tokens differ between batches of 16 and {tokens}"
             );
         }
         println!("decode subtiles {act} {quant}: 16 / 48 / 100 tokens bitwise equal");
+    }
+}
+
+/// The streaming decode GEMMs (`expert_stream.cu`, 1, 2 and 4 row-group units per block)
+/// against the mma ones on the same routing, and batch invariance: a token's bits do not depend on its batch (1, 7 or 40 tokens; 40
+/// tokens over 16 experts top-4 puts 10 on an expert, two 8-token passes). K = 2880 (45 k
+/// groups, not a multiple of 8 warps) and I = 1856 cover uneven K splits and padded k groups.
+#[test]
+fn stream_decode_matches_mma_and_is_batch_invariant() {
+    if !common::gpu_available() {
+        return;
+    }
+    for (h, i, act, quant) in [
+        (2880, 1856, Activation::Relu2NoMul, QuantMode::W4A16),
+        (2880, 1856, Activation::Relu2NoMul, W4A4),
+        (1024, 384, Activation::Silu, QuantMode::W4A16),
+        (1024, 384, Activation::Silu, W4A4),
+        (1024, 384, Activation::GeluTanh, QuantMode::W4A16),
+    ] {
+        let (e, tokens) = (16, 40);
+        let s = spec(h, i, e, 4, act, quant);
+        let x = random_tokens(tokens, h, 8200 + h as u64);
+        let w = with_scales(&s, random_weights(&s, 8201).unwrap(), &x);
+        let logits = router_logits(&x, w.router.as_ref().unwrap(), h, e);
+        let mut layer = CudaLayer::new(&s, &w).unwrap();
+        layer.set_gemm_path(Some(GemmPath::Decode));
+        layer.set_decode_kernel(Some(DecodeKernel::Mma));
+        let (mma, mma_ids) = run_device(&layer, &x, &logits);
+        layer.set_decode_kernel(Some(DecodeKernel::Stream));
+        for units in [1, 2, 4] {
+            layer.set_stream_units(Some(units));
+            let (out, ids) = run_device(&layer, &x, &logits);
+            assert!(out.iter().all(|v| v.is_finite()), "non-finite output");
+            assert_eq!(ids, mma_ids);
+            let (again, _) = run_device(&layer, &x, &logits);
+            assert!(
+                same_bits(&out, &again),
+                "{act} {quant} r{units}: streaming decode not bitwise reproducible"
+            );
+            for t in [1, 7] {
+                let (part, _) = run_device(&layer, &x[..t * h], &logits[..t * e]);
+                assert!(
+                    same_bits(&part, &out),
+                    "{act} {quant} r{units}: the first {t} tokens differ between batches of {t} and {tokens}"
+                );
+            }
+            let vs_mma = relative_l2(&out, &mma);
+            let err = sample_error(&s, w.clone(), &x, &logits, &out, 10);
+            println!(
+                "stream decode r{units} {act} {quant} H{h} I{i}: rel err {err:.3e} vs reference, {vs_mma:.3e} vs mma decode"
+            );
+            assert!(
+                err <= 1e-2,
+                "relative error {err:e} against the reference backend"
+            );
+            assert!(
+                vs_mma <= 1e-3,
+                "relative error {vs_mma:e} against the mma decode kernels"
+            );
+        }
     }
 }
 
@@ -605,10 +661,7 @@ fn graph_capture(path: GemmPath, route: RoutePath) {
     graph.launch().unwrap();
     let g2 = st.clone_dtoh(&ws.out).unwrap();
     assert_ne!(y1, y2);
-    assert!(
-        g2.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()),
-        "graph replay differs from eager"
-    );
+    assert!(same_bits(&g2, &y2), "graph replay differs from eager");
     let cpu = MoeLayer::new(s, w, BackendChoice::Use(Backend::Cpu)).unwrap();
     let (want, _) = cpu.run(&x2, None).unwrap();
     assert!(relative_l2(&g2, &want) < 1e-2);

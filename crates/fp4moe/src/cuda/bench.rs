@@ -46,22 +46,26 @@ pub struct Timing {
     pub min_us: f64,
     pub max_us: f64,
     pub iterations: usize,
+    /// Median µs each of [`super::STAGES`] adds to a replay, when asked for.
+    pub stages_us: Option<Vec<f64>>,
 }
 
 /// Times `tokens`-token forwards: `inputs` token sets (each `[tokens, H]`), `copies` uploaded
-/// weight copies, one CUDA graph per (copy, input), `iterations` timed replays after warm-up.
+/// weight copies, one CUDA graph per (copy, input), `iterations` timed replays after warm-up;
+/// `stages`: also time graphs of the layer cut after 1, 2 and 3 of [`super::STAGES`]; a stage's
+/// time is the difference of successive medians (what the stage adds to a replay).
 pub fn time_layer(
     spec: &MoeSpec,
     weights: &MoeWeights,
     inputs: &[Vec<f32>],
     copies: usize,
     iterations: usize,
+    stages: bool,
 ) -> Result<Timing> {
-    let layers: Vec<CudaLayer> = (0..copies.max(1))
+    let mut layers: Vec<CudaLayer> = (0..copies.max(1))
         .map(|_| CudaLayer::new(spec, weights))
         .collect::<Result<_>>()?;
     let st = layers[0].stream().clone();
-    let dev = layers[0].device();
     let tokens = inputs.first().map_or(0, |x| x.len() / spec.shape.hidden);
     let mut wss: Vec<CudaWorkspace> = Vec::new();
     for x in inputs {
@@ -70,14 +74,56 @@ pub fn time_layer(
             .map_err(driver_err("input upload"))?;
         wss.push(ws);
     }
-    // Warm-up eagerly (module load, first-touch), then capture one graph per pair.
+    // Warm-up eagerly (module load, first-touch) before any capture.
     for (i, ws) in wss.iter_mut().enumerate() {
         layers[i % layers.len()].forward_device(ws, None)?;
     }
     st.synchronize().map_err(driver_err("synchronize"))?;
+    let times = replay_times(&layers, &mut wss, iterations)?;
+    let stages_us = if stages {
+        let mut prefix = Vec::new();
+        for limit in 1..super::STAGES.len() {
+            for layer in &mut layers {
+                layer.set_stage_limit(Some(limit));
+            }
+            let t = replay_times(&layers, &mut wss, iterations)?;
+            prefix.push(t[t.len() / 2]);
+        }
+        prefix.push(times[times.len() / 2]);
+        Some(
+            prefix
+                .iter()
+                .scan(0.0, |before, &p| {
+                    let d = p - *before;
+                    *before = p;
+                    Some(d)
+                })
+                .collect(),
+        )
+    } else {
+        None
+    };
+    Ok(Timing {
+        median_us: times[times.len() / 2],
+        min_us: times[0],
+        max_us: times[times.len() - 1],
+        iterations,
+        stages_us,
+    })
+}
+
+/// Sorted µs of `iterations` replays of one CUDA graph per (input workspace, layer), cycled
+/// after three warm-up rounds, each timed between events.
+fn replay_times(
+    layers: &[CudaLayer],
+    wss: &mut [CudaWorkspace],
+    iterations: usize,
+) -> Result<Vec<f64>> {
+    let st = layers[0].stream().clone();
+    let dev = layers[0].device();
     let mut graphs = Vec::new();
     for (i, ws) in wss.iter_mut().enumerate() {
-        for layer in &layers {
+        for layer in layers {
             st.begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(driver_err("graph capture"))?;
             let r = layer.forward_device(ws, None);
@@ -115,10 +161,5 @@ pub fn time_layer(
         })
         .collect::<Result<_>>()?;
     times.sort_by(f64::total_cmp);
-    Ok(Timing {
-        median_us: times[times.len() / 2],
-        min_us: times[0],
-        max_us: times[times.len() - 1],
-        iterations,
-    })
+    Ok(times)
 }

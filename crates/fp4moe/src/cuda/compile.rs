@@ -34,7 +34,7 @@ pub const HEADERS: [(&str, &str); 5] = [
 
 /// Kernel files, one pipeline stage each; `route_small.cu` fuses the first four stages for small
 /// batches.
-pub const SOURCES: [(&str, &str); 7] = [
+pub const SOURCES: [(&str, &str); 8] = [
     ("routing.cu", include_str!("../../kernels/routing.cu")),
     ("sort_pairs.cu", include_str!("../../kernels/sort_pairs.cu")),
     (
@@ -44,6 +44,10 @@ pub const SOURCES: [(&str, &str); 7] = [
     (
         "expert_gemm.cu",
         include_str!("../../kernels/expert_gemm.cu"),
+    ),
+    (
+        "expert_stream.cu",
+        include_str!("../../kernels/expert_stream.cu"),
     ),
     (
         "prefill_gemm.cu",
@@ -113,6 +117,13 @@ pub fn kernel_names(file: &str) -> Vec<String> {
                 for nsub in [1, 2, 4] {
                     names.push(format!("{base}_{shape}_n{nsub}"));
                 }
+            }
+        }
+    }
+    if file == "expert_stream.cu" {
+        for base in ["stream_gemm1_gated", "stream_gemm1_plain", "stream_gemm2"] {
+            for rb in [1, 2, 4] {
+                names.push(format!("{base}_r{rb}"));
             }
         }
     }
@@ -424,16 +435,17 @@ mod tests {
             let names = kernel_names(file);
             assert!(!names.is_empty(), "{file}");
             for n in &names {
-                let base = n
-                    .split("_narrow")
-                    .next()
-                    .and_then(|b| b.split("_wide").next())
-                    .unwrap_or(n);
+                let base = ["_narrow", "_wide", "_r"]
+                    .iter()
+                    .fold(n.as_str(), |b, cut| b.split(cut).next().unwrap_or(b));
                 assert!(src.contains(base), "{file} lacks {n}");
             }
             if file == "prefill_gemm.cu" {
                 let n = src.matches("\nPREFILL(").count();
                 assert_eq!(n, names.len(), "{file}");
+            } else if file == "expert_stream.cu" {
+                let n = src.matches("\nSTREAM(").count();
+                assert_eq!(3 * n, names.len(), "{file}");
             } else if file != "expert_gemm.cu" {
                 assert_eq!(
                     src.matches("extern \"C\" __global__").count(),

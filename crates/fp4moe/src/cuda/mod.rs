@@ -35,6 +35,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The device the backend runs on (ordinal 0) with its compiled kernels.
@@ -46,6 +47,11 @@ pub struct Device {
     pub arch: String,
     /// Largest dynamic shared memory a block may opt into.
     pub max_shared_bytes: usize,
+    /// Streaming multiprocessors.
+    pub sms: usize,
+    /// Whether expert GEMMs and the combine launch as programmatic dependents (sm_90+; the
+    /// knob `FP4MOE_PDL=0` turns it off).
+    pub pdl: bool,
     kernels: OnceLock<std::result::Result<Kernels, String>>,
 }
 
@@ -101,8 +107,14 @@ fn open_device() -> std::result::Result<Device, String> {
     let max_shared_bytes = ctx
         .attribute(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .map_err(|e| e.to_string())? as usize;
+    let sms = ctx
+        .attribute(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| e.to_string())? as usize;
+    let pdl = cc.0 >= 9 && std::env::var("FP4MOE_PDL").map_or(true, |v| v != "0");
     Ok(Device {
         max_shared_bytes,
+        sms,
+        pdl,
         name: ctx.name().unwrap_or_else(|_| "unknown".into()),
         // FP4MOE_CUDA_ARCH (e.g. `sm_90` on a Hopper part: no wgmma, the mma.sync prefill
         // kernels) is a testing knob; the default is the device's own architecture.
@@ -416,7 +428,16 @@ pub struct CudaLayer {
     gs2: Option<f32>,
     gemm_path: Option<GemmPath>,
     route_path: Option<RoutePath>,
+    decode_kernel: Option<DecodeKernel>,
+    stream_units: Option<usize>,
+    /// Forwards stop after this many of [`STAGES`] (timing diagnostics).
+    stage_limit: Option<usize>,
 }
+
+/// The stages [`CudaLayer::set_stage_limit`] counts: routing (with pair grouping and input
+/// preparation), GEMM1 of the routed experts, the routed GEMM2 and any shared-expert GEMMs, and
+/// the combine.
+pub const STAGES: [&str; 4] = ["routing", "gemm1", "gemm2", "combine"];
 
 /// Largest counts the kernels handle (shared-memory tables of `sort_pairs` and `route_topk`).
 pub const MAX_EXPERTS: usize = 512;
@@ -582,6 +603,20 @@ fn route_small_smem(tokens: usize, experts: usize, selects: bool) -> usize {
     4 * topk.max(33 * experts)
 }
 
+/// Warps per router logit up to `ROUTER_SLICED_MAX_LOGITS` logits (`RL_SLICES`,
+/// `RL_SLICED_MAX_LOGITS` in routing.cuh), one beyond.
+const ROUTER_SLICES: usize = 8;
+const ROUTER_SLICED_MAX_LOGITS: usize = 1024;
+
+/// Logits per 32-warp block of `router_logits` and `route_small` for `logits` logits.
+fn router_logits_per_block(logits: usize) -> usize {
+    if logits <= ROUTER_SLICED_MAX_LOGITS {
+        32 / ROUTER_SLICES
+    } else {
+        32
+    }
+}
+
 /// Token count from which router logits come from the tiled kernel.
 const ROUTER_TILED_FROM: usize = 1024;
 
@@ -734,6 +769,110 @@ impl GemmPath {
     }
 }
 
+/// Which decode kernels run NVFP4 expert GEMMs (bf16 weights always take `expert_gemm.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// `expert_stream.cu`: each block copies its weight rows, whole K, into shared memory at
+    /// once (one DRAM wait per block), then runs split-K mma.sync over 8 warps.
+    Stream,
+    /// `expert_gemm.cu`: weights through registers two k groups ahead, split-K mma.sync over
+    /// 16 warps, one to four 8-token subtiles per pass.
+    Mma,
+}
+
+/// Threads of a streaming decode block (`STREAM_WARPS` warps).
+const STREAM_THREADS: usize = 256;
+
+/// Largest batch whose NVFP4 decode GEMMs stream by default. Measured on the H200 (graph
+/// replays, KERNEL_NOTES run 28, µs per layer, stream / mma): Nemotron 46.7 / 51.9 at 1 token,
+/// 78.1 / 81.6 at 2, 122.8 / 124.9 at 4, 207.6 / 165.6 at 8; Qwen3 39.6 / 43.7, 59.3 / 63.0,
+/// 104.7 / 101.4, 163.2 / 123.1. A streaming block loads all its weights before it computes;
+/// with more experts per SM the mma kernels' per-warp prefetch overlaps better.
+pub const STREAM_MAX_TOKENS: usize = 2;
+
+impl DecodeKernel {
+    /// The default for a batch of `tokens`: [`DecodeKernel::Stream`] up to
+    /// [`STREAM_MAX_TOKENS`], else [`DecodeKernel::Mma`].
+    pub fn for_tokens(tokens: usize) -> Self {
+        if tokens <= STREAM_MAX_TOKENS {
+            DecodeKernel::Stream
+        } else {
+            DecodeKernel::Mma
+        }
+    }
+
+    /// `FP4MOE_DECODE_KERNEL=stream|mma`, a benchmark knob.
+    fn from_env() -> Option<Self> {
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        let choices = [("stream", DecodeKernel::Stream), ("mma", DecodeKernel::Mma)];
+        tuning_choice(&KNOB, "FP4MOE_DECODE_KERNEL", &choices)
+    }
+}
+
+/// Launch shape of a streaming decode GEMM (`expert_stream.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct StreamShape {
+    /// Row-group units per block (`_r1`, `_r2`, `_r4`); a gated unit is a gate and an up row group.
+    rb: usize,
+    /// Dynamic shared memory per block.
+    smem: usize,
+}
+
+impl StreamShape {
+    /// `FP4MOE_STREAM_UNITS=1|2|4` forces the units per block, a benchmark knob.
+    fn from_env() -> Option<usize> {
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        tuning_choice(
+            &KNOB,
+            "FP4MOE_STREAM_UNITS",
+            &[("1", 1), ("2", 2), ("4", 4)],
+        )
+    }
+
+    /// The shape of `rb` units per block for K = `k` and `tokens` tokens in the batch (at most 8
+    /// activation rows staged), or `None` when it exceeds `max_shared_bytes`.
+    fn new(
+        rb: usize,
+        k: usize,
+        gated: bool,
+        tokens: usize,
+        max_shared_bytes: usize,
+    ) -> Option<Self> {
+        let kg = pack::padded_k(k) / 64;
+        let units = if gated { 2 } else { 1 };
+        let ksplit = STREAM_THREADS / 32 / rb;
+        let weights = rb * units * kg * (512 + 64);
+        let red = (ksplit - 1) * rb * 32 * 4 * units * 4;
+        let act = tokens.clamp(1, 8) * (kg * 64 + 8) * 2;
+        let smem = weights + red + act;
+        (smem <= max_shared_bytes).then_some(StreamShape { rb, smem })
+    }
+
+    /// The shapes that fit, fewest units per block first.
+    fn candidates(k: usize, gated: bool, tokens: usize, max_shared_bytes: usize) -> Vec<Self> {
+        [1, 2, 4]
+            .into_iter()
+            .filter_map(|rb| Self::new(rb, k, gated, tokens, max_shared_bytes))
+            .collect()
+    }
+
+    /// Among `candidates`, the fewest units per block whose `blocks(shape)` blocks all fit on the
+    /// device at once (`resident(shape)`: blocks per SM times SMs), so no block waits for
+    /// another to finish (a second wave costs a whole block lifetime: DRAM latency, staging,
+    /// reduction); when none does, one unit per block (the finest split).
+    fn choose(
+        candidates: &[Self],
+        blocks: impl Fn(&Self) -> usize,
+        resident: impl Fn(&Self) -> usize,
+    ) -> Option<Self> {
+        candidates
+            .iter()
+            .find(|c| blocks(c) <= resident(c))
+            .or_else(|| candidates.first())
+            .copied()
+    }
+}
+
 /// Dynamic shared memory of a decode GEMM block: two lookup tables, then `8·nsub` activation
 /// rows, reused afterwards for the split-K partial sums (whichever is larger).
 fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
@@ -783,6 +922,9 @@ impl CudaLayer {
             gs2,
             gemm_path: None,
             route_path: None,
+            decode_kernel: None,
+            stream_units: None,
+            stage_limit: None,
         })
     }
 
@@ -798,6 +940,32 @@ impl CudaLayer {
     /// kernels.
     pub fn set_route_path(&mut self, path: Option<RoutePath>) {
         self.route_path = path;
+    }
+
+    /// Forces the decode kernels of later forwards' NVFP4 GEMMs (`None`:
+    /// [`DecodeKernel::for_tokens`]). Streaming falls back to the mma kernels where its shared
+    /// memory does not fit.
+    pub fn set_decode_kernel(&mut self, kernel: Option<DecodeKernel>) {
+        self.decode_kernel = kernel;
+    }
+
+    /// Forces the row-group units per block of the streaming decode kernels (1, 2 or 4; `None`:
+    /// chosen per call, one wave of blocks where possible). A shape that does not fit in shared
+    /// memory falls back to the mma kernels.
+    pub fn set_stream_units(&mut self, units: Option<usize>) {
+        self.stream_units = units;
+    }
+
+    /// Makes later forwards stop after the first `stages` of [`STAGES`] (`None` or 4: the whole
+    /// layer). A timing diagnostic (`fp4moe bench --stages` times graphs of each prefix): a cut
+    /// forward leaves its output unwritten.
+    pub fn set_stage_limit(&mut self, stages: Option<usize>) {
+        self.stage_limit = stages;
+    }
+
+    /// Whether forwards stop after stage `done` (1-based) of [`STAGES`].
+    fn stops_after(&self, done: usize) -> bool {
+        self.stage_limit == Some(done)
     }
 
     /// The layer's forced route path, else `FP4MOE_ROUTE`, else [`RoutePath::choose`]'s rule.
@@ -936,6 +1104,62 @@ impl CudaLayer {
             })
     }
 
+    /// An expert GEMM (one `GemmParams` argument), as a dependent launch.
+    fn launch_gemm(&self, name: &str, cfg: LaunchConfig, params: GemmParams) -> Result<()> {
+        let mut args: [*mut c_void; 1] = [&params as *const GemmParams as *mut c_void];
+        // SAFETY: every GEMM kernel takes one `GemmParams` by value (the layout of its C struct,
+        // `GemmParams` is `repr(C)`); `args` points at it for the duration of the call.
+        unsafe { self.launch_dependent(name, cfg, &mut args) }
+    }
+
+    /// Launches kernel `name` with programmatic stream serialization where the device has it
+    /// (sm_90+, unless `FP4MOE_PDL=0`): it may start while the previous kernel of the stream
+    /// finishes and waits for it in `pdl_wait()` (common.cuh), which every kernel launched here
+    /// calls before touching its predecessor's outputs. Captured graphs keep the programmatic
+    /// edge.
+    ///
+    /// # Safety
+    /// `args` must point to the kernel's arguments, in order and with the C types of its
+    /// signature, valid for the duration of the call.
+    unsafe fn launch_dependent(
+        &self,
+        name: &str,
+        cfg: LaunchConfig,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let f = self.dev.function(name)?;
+        let mut attr: dsys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = dsys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.dev.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.dev.pdl),
+        };
+        self.dev
+            .ctx
+            .bind_to_thread()
+            .map_err(driver_err("kernel launch"))?;
+        dsys::cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
+        .map_err(|e| Error::Cuda {
+            stage: "kernel launch",
+            message: format!("{name}: {e}"),
+        })
+    }
+
     /// Routing on the device: `ws.ids`, `ws.weights` from `logits` (`[T, E]`, or computed from the
     /// router weight when `None`) for the tokens in `ws.x`.
     pub fn route_device(
@@ -968,10 +1192,17 @@ impl CudaLayer {
                     };
                     ("router_logits_tiled", cfg)
                 } else {
-                    let warps = (t * e) as u32;
+                    // 32 warps for sliced logits, 8 (a logit each) beyond: the launch shape of
+                    // the warp-per-logit kernel before slicing (KERNEL_NOTES run 32).
+                    let n = ws.tokens * self.spec.shape.experts;
+                    let (warps, per_block) = if n <= ROUTER_SLICED_MAX_LOGITS {
+                        (32, 32 / ROUTER_SLICES)
+                    } else {
+                        (8, 8)
+                    };
                     let cfg = LaunchConfig {
-                        grid_dim: (warps.div_ceil(8), 1, 1),
-                        block_dim: (256, 1, 1),
+                        grid_dim: (n.div_ceil(per_block) as u32, 1, 1),
+                        block_dim: (warps as u32 * 32, 1, 1),
                         shared_mem_bytes: 0,
                     };
                     ("router_logits", cfg)
@@ -1036,10 +1267,13 @@ impl CudaLayer {
             .unwrap_or(1)
     }
 
+    /// One decode GEMM: `stream` (the `expert_stream.cu` kernel family of an NVFP4 projection)
+    /// where chosen and its shared memory fits, else `expert_gemm.cu`'s `name`.
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         name: &str,
+        stream: Option<&str>,
         proj: &DeviceProjection,
         params: GemmParams,
         rg_out: usize,
@@ -1047,6 +1281,27 @@ impl CudaLayer {
         tokens: usize,
     ) -> Result<()> {
         let gated = name.contains("gated");
+        let kernel = self
+            .decode_kernel
+            .or_else(DecodeKernel::from_env)
+            .unwrap_or(DecodeKernel::for_tokens(tokens));
+        let candidates = StreamShape::candidates(proj.k, gated, tokens, self.dev.max_shared_bytes);
+        let shape = match self.stream_units.or_else(StreamShape::from_env) {
+            Some(rb) => candidates.iter().find(|c| c.rb == rb).copied(),
+            None => StreamShape::choose(
+                &candidates,
+                |c| rg_out.div_ceil(c.rb) * slots,
+                |c| self.stream_resident(stream.unwrap_or_default(), c),
+            ),
+        };
+        if let (Some(stream), DecodeKernel::Stream, Some(sh)) = (stream, kernel, shape) {
+            let cfg = LaunchConfig {
+                grid_dim: (rg_out.div_ceil(sh.rb) as u32, slots as u32, 1),
+                block_dim: (STREAM_THREADS as u32, 1, 1),
+                shared_mem_bytes: sh.smem as u32,
+            };
+            return self.launch_gemm(&format!("{stream}_r{}", sh.rb), cfg, params);
+        }
         let shape = GemmShape::for_tokens(tokens);
         let nsub = self.nsub(tokens, proj.k, gated, shape);
         let kname = format!("{name}_{}_n{nsub}", shape.name());
@@ -1065,9 +1320,26 @@ impl CudaLayer {
             block_dim: ((GemmShape::warps(nsub) * 32) as u32, 1, 1),
             shared_mem_bytes: smem,
         };
-        self.launch(&kname, cfg, |b| {
-            b.arg(&params);
-        })
+        self.launch_gemm(&kname, cfg, params)
+    }
+
+    /// Blocks of streaming kernel family `stream` in shape `c` the whole device holds at once
+    /// (0 when the driver cannot say).
+    fn stream_resident(&self, stream: &str, c: &StreamShape) -> usize {
+        let per_sm = self
+            .dev
+            .function(&format!("{stream}_r{}", c.rb))
+            .ok()
+            .and_then(|f| {
+                f.occupancy_max_active_blocks_per_multiprocessor(
+                    STREAM_THREADS as u32,
+                    c.smem,
+                    None,
+                )
+                .ok()
+            })
+            .unwrap_or(0);
+        per_sm as usize * self.dev.sms
     }
 
     /// The layer's forced path, else `FP4MOE_GEMM_PATH`, else [`GemmPath::choose`]'s rule.
@@ -1108,9 +1380,7 @@ impl CudaLayer {
             block_dim: (tile.threads() as u32, 1, 1),
             shared_mem_bytes: tile.shared_bytes() as u32,
         };
-        self.launch(tile.kernel(gemm), cfg, |b| {
-            b.arg(&params);
-        })
+        self.launch_gemm(tile.kernel(gemm), cfg, params)
     }
 
     /// GEMM1 then GEMM2 of one projection pair through the path `path` (bf16 weights always
@@ -1126,6 +1396,7 @@ impl CudaLayer {
         pairs: usize,
         slots: usize,
         tokens: usize,
+        routed: bool,
     ) -> Result<()> {
         let gated = self.spec.activation.is_gated();
         let kind = |proj: &DeviceProjection| if proj.nvfp4 { "nvfp4" } else { "bf16" };
@@ -1143,12 +1414,22 @@ impl CudaLayer {
                 kind(w13),
                 if gated { "gated" } else { "plain" }
             );
-            self.gemm(&name, w13, p1, rg1, slots, tokens)?;
+            let stream = match (w13.nvfp4, gated) {
+                (false, _) => None,
+                (true, true) => Some("stream_gemm1_gated"),
+                (true, false) => Some("stream_gemm1_plain"),
+            };
+            self.gemm(&name, stream, w13, p1, rg1, slots, tokens)?;
+        }
+        if routed && self.stops_after(2) {
+            return Ok(());
         }
         if path == GemmPath::Prefill && w2.nvfp4 {
             self.prefill_gemm(PrefillGemm::Gemm2, p2, rg2, pairs, slots)
         } else {
-            self.gemm(&format!("gemm2_{}", kind(w2)), w2, p2, rg2, slots, tokens)
+            let stream = w2.nvfp4.then_some("stream_gemm2");
+            let name = format!("gemm2_{}", kind(w2));
+            self.gemm(&name, stream, w2, p2, rg2, slots, tokens)
         }
     }
 
@@ -1298,7 +1579,7 @@ impl CudaLayer {
         };
         // One warp per logit when computing them; otherwise the one continuing block only.
         let (grid, selects) = match source {
-            RouteSource::Router => ((t * e).div_ceil(32), true),
+            RouteSource::Router => ((t * e).div_ceil(router_logits_per_block(t * e)), true),
             RouteSource::Logits(_) => (1, true),
             RouteSource::Ids => (1, false),
         };
@@ -1327,6 +1608,9 @@ impl CudaLayer {
     /// Expert GEMMs, shared expert and combine over a grouped and prepared batch (`ws.offsets`
     /// … and `ws.a` / `ws.xs` written by [`CudaLayer::group_device`] or `route_small`).
     fn gemms_device(&self, ws: &CudaWorkspace) -> Result<()> {
+        if self.stops_after(1) {
+            return Ok(());
+        }
         let st = &self.dev.stream;
         let s = &self.spec;
         let (t, h, i, e, k) = (
@@ -1379,7 +1663,10 @@ impl CudaLayer {
             act_alpha: self.gs2.map_or(1.0, |gs| 1.0 / gs),
             ..grouping.params(base(&self.w2))
         };
-        self.expert_gemms(path, &self.w13, &self.w2, p1, p2, p, slots, t)?;
+        self.expert_gemms(path, &self.w13, &self.w2, p1, p2, p, slots, t, true)?;
+        if self.stops_after(2) {
+            return Ok(());
+        }
 
         let mut sh_o = 0u64;
         if let Some((s13, s2)) = &self.shared {
@@ -1414,7 +1701,10 @@ impl CudaLayer {
                 ..sh.params(base(s2))
             };
             let path = self.path_for(t, 1);
-            self.expert_gemms(path, s13, s2, q1, q2, t, 1, t)?;
+            self.expert_gemms(path, s13, s2, q1, q2, t, 1, t, false)?;
+        }
+        if self.stops_after(3) {
+            return Ok(());
         }
 
         let y = ptr(&ws.out, st);
@@ -1425,9 +1715,17 @@ impl CudaLayer {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch("combine", cfg, |b| {
-            b.arg(&o).arg(&sh_o).arg(&y).arg(&tt).arg(&kk).arg(&hid);
-        })
+        let mut args: [*mut c_void; 6] = [
+            &o as *const u64 as *mut c_void,
+            &sh_o as *const u64 as *mut c_void,
+            &y as *const u64 as *mut c_void,
+            &tt as *const i32 as *mut c_void,
+            &kk as *const i32 as *mut c_void,
+            &hid as *const i32 as *mut c_void,
+        ];
+        // SAFETY: `combine(const float*, const float*, float*, int, int, int)`: three device
+        // pointers and three ints, in this order, each pointed to by `args` for the call.
+        unsafe { self.launch_dependent("combine", cfg, &mut args) }
     }
 
     /// The whole layer on the device: routing (from `logits` or the router weight) and experts,
@@ -1581,6 +1879,56 @@ mod tests {
             GemmPath::Decode
         );
         assert_eq!(GemmPath::choose(0, 0, h200, None), GemmPath::Decode);
+    }
+
+    #[test]
+    fn stream_shape_sizes_shared_memory_and_prefers_one_wave() {
+        let threads = compile::kernel_define("expert_stream.cu", "STREAM_WARPS") * 32;
+        assert_eq!(threads, STREAM_THREADS);
+        let h200 = 227 * 1024;
+        // Nemotron GEMM1 at 1 token: 42 k groups of 576 bytes per unit, one activation row.
+        let c = StreamShape::candidates(2688, false, 1, h200);
+        assert_eq!(c.iter().map(|s| s.rb).collect::<Vec<_>>(), [1, 2, 4]);
+        assert_eq!(c[0].smem, 42 * 576 + 7 * 32 * 4 * 4 + (2688 + 8) * 2);
+        assert_eq!(
+            c[1].smem,
+            2 * 42 * 576 + 3 * 2 * 32 * 4 * 4 + (2688 + 8) * 2
+        );
+        // At most 8 activation rows; gated units hold a gate and an up row group.
+        let c = StreamShape::candidates(2048, true, 300, h200);
+        let want = 4 * 2 * 32 * 576 + 4 * 32 * 8 * 4 + 8 * (2048 + 8) * 2;
+        assert_eq!((c[2].rb, c[2].smem), (4, want));
+        // A unit larger than the device's shared memory: no candidate, the mma kernels run.
+        assert!(StreamShape::candidates(16384, true, 8, h200).is_empty());
+        // One wave when some shape allows it, fewest units per block first; else one unit.
+        let c = StreamShape::candidates(2688, false, 1, h200);
+        let blocks = |s: &StreamShape| 116usize.div_ceil(s.rb) * 6;
+        let resident = |s: &StreamShape| 132 * (h200 / s.smem).min(5);
+        assert_eq!(
+            StreamShape::choose(&c, blocks, resident).map(|s| s.rb),
+            Some(2)
+        );
+        let many = |s: &StreamShape| 116usize.div_ceil(s.rb) * 48;
+        assert_eq!(
+            StreamShape::choose(&c, many, resident).map(|s| s.rb),
+            Some(1)
+        );
+        assert_eq!(StreamShape::choose(&[], blocks, resident), None);
+    }
+
+    #[test]
+    fn router_launch_constants_match_the_kernels() {
+        assert_eq!(compile::kernel_define("routing.cu", "RL_WARPS"), 32);
+        let routing_cuh = compile::HEADERS
+            .iter()
+            .find(|(f, _)| *f == "routing.cuh")
+            .map(|(_, s)| *s)
+            .unwrap_or_default();
+        assert!(routing_cuh.contains(&format!("#define RL_SLICES {ROUTER_SLICES}\n")));
+        let max = format!("#define RL_SLICED_MAX_LOGITS {ROUTER_SLICED_MAX_LOGITS}\n");
+        assert!(routing_cuh.contains(&max));
+        assert_eq!(router_logits_per_block(128), 4);
+        assert_eq!(router_logits_per_block(1025), 32);
     }
 
     #[test]

@@ -1,0 +1,206 @@
+// Streaming decode GEMMs (NVFP4 weights, a few tokens per expert): each block copies its RB
+// weight row groups (16 rows each; gated: the gate and the up row group of the same g rows),
+// whole K, into shared memory with cp.async as its first act, so a block waits on DRAM once
+// and every weight byte is read once per layer, whatever the expert's token count.
+//
+//   GEMM1: h = a · deq(w13_e)^T · alpha, g = act(h) (epilogues and W4A4 QDQ: gemm_common.cuh)
+//   GEMM2: o[pair] = g · deq(w2_e)^T · alpha · router weight
+//
+// Why (docs/KERNEL_NOTES.md, runs 23–28): the mma decode kernels (expert_gemm.cu) stream
+// weights through registers two k groups ahead, behind a serial chain of expert lookup,
+// activation staging and split-K barriers, over 1.3–2 waves of blocks. Here the chain is:
+// expert id → every weight copy in flight → (meanwhile) pair offsets, pair list and activation
+// rows → compute from shared memory; and GEMM2, launched as a programmatic dependent, issues its
+// weight copies before it waits for GEMM1. Measured: GEMM1 about as fast as the mma kernel,
+// GEMM2 4 µs faster at one token (the prefetch), both slower from 4–8 tokens, where a block
+// that loads everything before computing overlaps worse than per-warp prefetch: the host
+// streams up to 2 tokens (cuda::STREAM_MAX_TOKENS).
+//
+// Work split: grid.y = active expert slot, grid.x = RB row groups (units) of that expert.
+// 8 warps; warp w owns unit w % RB and k groups [ks·kg/KSPLIT, (ks+1)·kg/KSPLIT), ks = w / RB,
+// KSPLIT = 8 / RB. A warp copies its own k slice in STREAM_GROUPS commit groups along k and
+// starts on the first group while the rest arrive. Per token tile of 8 tokens: the tile's
+// activation rows are staged in shared memory, each warp runs mma.sync m16n8k16 over its slice
+// (A: table-free exact dequantization, gemm_common.cuh; B: token g's row, zero past the
+// tile), and the KSPLIT partial sums are added in a fixed order (bitwise reproducible, and a
+// token's result does not depend on the batch: same K split, one token per mma column).
+//
+// Shared memory (bytes, kp = 64·kg): units' data [RB·U][kg·512], units' scales [RB·U][kg·64]
+// (global layout of cuda/pack.rs, copied verbatim), split-K partials
+// [(KSPLIT−1)·RB][32 lanes][4·U] f32, activation rows [min(T, 8)][kp + 8] bf16 (8 elements of
+// padding per row keep the B-fragment reads of the 8 token rows in distinct banks).
+#include "gemm_common.cuh"
+
+#define STREAM_WARPS 8
+#define STREAM_GROUPS 4
+#define STREAM_TILE 8
+
+__device__ __forceinline__ void cp_async_wait_upto(int pending) {
+    // wait_group takes an immediate.
+    if (pending >= 3) cp_async_wait<3>();
+    else if (pending == 2) cp_async_wait<2>();
+    else if (pending == 1) cp_async_wait<1>();
+    else cp_async_wait<0>();
+}
+
+template <int STAGE, bool GATED, int RB>
+__device__ __forceinline__ void stream_body(const GemmParams& p) {
+    constexpr int KSPLIT = STREAM_WARPS / RB;
+    constexpr int U = GATED ? 2 : 1;
+    constexpr int NACC = 4 * U;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int kg = p.kg;
+    u8* sdata = smem_raw;
+    u8* sscale = sdata + RB * U * kg * 512;
+    float* red = reinterpret_cast<float*>(sscale + RB * U * kg * 64);
+    __nv_bfloat16* sact = reinterpret_cast<__nv_bfloat16*>(red + (KSPLIT - 1) * RB * 32 * NACC);
+
+    // GEMM1's predecessor writes the expert grouping; GEMM2's (GEMM1) only the activations,
+    // which are read after the wait below: GEMM2 prefetches its weights while GEMM1 finishes.
+    if (STAGE == 1) {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
+    const int slot = blockIdx.y;
+    // Both loads issue together; `active` has an entry for every slot of the grid.
+    const int num_active = p.num_active[0];
+    const int e = p.active[slot];
+    if (slot >= num_active) return;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int rgl = warp % RB, ks = warp / RB;
+    const int rg = blockIdx.x * RB + rgl;
+    const bool active_warp = rg < p.rg_out;
+    const int k_lo = ks * kg / KSPLIT, k_hi = (ks + 1) * kg / KSPLIT;
+    const int chunk = (k_hi - k_lo + STREAM_GROUPS - 1) / STREAM_GROUPS;
+
+    // 1. This warp's weights, STREAM_GROUPS commit groups along k. Lane L copies data pieces
+    //    L, L + 32, … of each k group, i.e. exactly the 16 bytes it reads back; the scale pieces
+    //    are read by other lanes (hence the __syncwarp after each wait).
+    if (active_warp) {
+#pragma unroll
+        for (int c = 0; c < STREAM_GROUPS; c++) {
+            const int lo = min(k_lo + c * chunk, k_hi), hi = min(lo + chunk, k_hi);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const size_t wr = (size_t)e * p.rg_w + rg + u * p.rg_out;
+                const u8* gd = p.wdata + wr * kg * 512;
+                const u8* gs = p.wscales + wr * kg * 64;
+                u8* sd = sdata + (size_t)(rgl * U + u) * kg * 512;
+                u8* ss = sscale + (size_t)(rgl * U + u) * kg * 64;
+                for (int i = lo * 32 + lane; i < hi * 32; i += 32) cp_async16(sd + 16 * i, gd + 16 * i, 16);
+                for (int i = lo * 4 + lane; i < hi * 4; i += 32) cp_async16(ss + 16 * i, gs + 16 * i, 16);
+            }
+            cp_async_commit();
+        }
+    }
+
+    const int base = p.offsets[e];
+    const int n_e = p.offsets[e + 1] - base;
+    const int kp = kg * 64;
+    const int stride = kp + 8;
+    const u8* wd0 = sdata + (size_t)(rgl * U) * kg * 512 + lane * 16;
+    const u8* ws0 = sscale + (size_t)(rgl * U) * kg * 64 + g * 8;
+    const float unscale = NVFP4_DEQ_UNSCALE;
+    if (STAGE == 2) {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
+
+    for (int t0 = 0; t0 < n_e; t0 += STREAM_TILE) {
+        if (t0 > 0) __syncthreads();  // the previous tile's activation reads and partial sums are done
+        const int nvalid = min(STREAM_TILE, n_e - t0);
+        // 2. The tile's activation rows: a warp per row (source row resolved once), lanes over
+        //    16-byte pieces, zeros over the k padding.
+        for (int r = warp; r < nvalid; r += STREAM_WARPS) {
+            const int arow = (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + r] / p.top_k : base + t0 + r;
+            const __nv_bfloat16* src = p.act + (size_t)arow * p.k;
+            for (int c8 = lane; c8 < kp / 8; c8 += 32) {
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (c8 * 8 < p.k) v = __ldcg(reinterpret_cast<const uint4*>(src + c8 * 8));
+                *reinterpret_cast<uint4*>(sact + r * stride + c8 * 8) = v;
+            }
+        }
+        __syncthreads();
+
+        // 3. This warp's k slice against the tile, group by group as the copies land.
+        float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, accu[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+        if (active_warp) {
+            const __nv_bfloat16* brow = sact + g * stride + 2 * q;
+            const bool has_token = g < nvalid;
+            for (int c = 0; c < STREAM_GROUPS; c++) {
+                const int lo = min(k_lo + c * chunk, k_hi), hi = min(lo + chunk, k_hi);
+                cp_async_wait_upto(STREAM_GROUPS - 1 - c);
+                __syncwarp();
+                for (int kgi = lo; kgi < hi; kgi++) {
+                    const uint4 d = *reinterpret_cast<const uint4*>(wd0 + kgi * 512);
+                    const uint2 s = *reinterpret_cast<const uint2*>(ws0 + kgi * 64);
+                    uint4 du = make_uint4(0, 0, 0, 0);
+                    uint2 su = make_uint2(0, 0);
+                    if (GATED) {
+                        du = *reinterpret_cast<const uint4*>(wd0 + (size_t)kg * 512 + kgi * 512);
+                        su = *reinterpret_cast<const uint2*>(ws0 + (size_t)kg * 64 + kgi * 64);
+                    }
+                    const u32 dw[4] = {d.x, d.y, d.z, d.w};
+                    const u32 duw[4] = {du.x, du.y, du.z, du.w};
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const int kc = (kgi * 4 + j) * 16;
+                        u32 b0 = 0, b1 = 0;
+                        if (has_token) {
+                            b0 = *reinterpret_cast<const u32*>(brow + kc);
+                            b1 = *reinterpret_cast<const u32*>(brow + kc + 8);
+                        }
+                        u32 a[4];
+                        dequant_fragment_alu(dw[j], scales_to_bf16x2(s.x, j >> 1), scales_to_bf16x2(s.y, j >> 1), j, a);
+                        mma_bf16_16816(acc[0], a, b0, b1);
+                        if (GATED) {
+                            dequant_fragment_alu(duw[j], scales_to_bf16x2(su.x, j >> 1), scales_to_bf16x2(su.y, j >> 1), j, a);
+                            mma_bf16_16816(accu[0], a, b0, b1);
+                        }
+                    }
+                }
+            }
+        }
+
+        // 4. Split-K: slices 1..KSPLIT-1 park their sums, slice 0 adds them in order and stores.
+        if (ks > 0) {
+            float* dst = red + (((ks - 1) * RB + rgl) * 32 + lane) * NACC;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                dst[c] = acc[0][c];
+                if (GATED) dst[4 + c] = accu[0][c];
+            }
+        }
+        __syncthreads();
+        if (ks == 0 && active_warp) {
+#pragma unroll
+            for (int o = 1; o < KSPLIT; o++) {
+                const float* src = red + (((o - 1) * RB + rgl) * 32 + lane) * NACC;
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    acc[0][c] += src[c];
+                    if (GATED) accu[0][c] += src[4 + c];
+                }
+            }
+            if (STAGE == 1)
+                store_gemm1<1, GATED>(p, acc, accu, e, base, n_e, t0, rg, 1, unscale);
+            else
+                store_gemm2<1>(p, acc, e, base, n_e, t0, rg, 1, unscale);
+        }
+    }
+    cp_async_wait<0>();  // an expert without tokens still leaves no copy in flight at exit
+}
+
+#define STREAM_ONE(NAME, STAGE, GATED, RB)                                                      \
+    extern "C" __global__ void __launch_bounds__(STREAM_WARPS * 32, GATED ? 2 : 4) NAME##_r##RB(const GemmParams p) { \
+        stream_body<STAGE, GATED, RB>(p);                                                       \
+    }
+#define STREAM(NAME, STAGE, GATED) \
+    STREAM_ONE(NAME, STAGE, GATED, 1) \
+    STREAM_ONE(NAME, STAGE, GATED, 2) \
+    STREAM_ONE(NAME, STAGE, GATED, 4)
+
+STREAM(stream_gemm1_gated, 1, true)
+STREAM(stream_gemm1_plain, 1, false)
+STREAM(stream_gemm2, 2, false)
