@@ -19,7 +19,7 @@
 // Work split: grid.y = active expert slot, grid.x = RB row groups (units) of that expert.
 // 8 warps; warp w owns unit w % RB and k groups [ks·kg/KSPLIT, (ks+1)·kg/KSPLIT), ks = w / RB,
 // KSPLIT = 8 / RB. A warp copies its own k slice in STREAM_GROUPS commit groups along k and
-// starts on the first group while the rest arrive. Per token tile of 8 tokens: the tile's
+// starts on the first group while the rest arrive. Per token tile (min(T, 8) rows): the tile's
 // activation rows are staged in shared memory, each warp runs mma.sync m16n8k16 over its slice
 // (A: table-free exact dequantization, gemm_common.cuh; B: token g's row, zero past the
 // tile), and the KSPLIT partial sums are added in a fixed order (bitwise reproducible, and a
@@ -33,7 +33,7 @@
 
 #define STREAM_WARPS 8
 #define STREAM_GROUPS 4
-#define STREAM_TILE 8
+#define STREAM_TILE 8  // most activation rows per pass (one mma column tile)
 
 __device__ __forceinline__ void cp_async_wait_upto(int pending) {
     // wait_group takes an immediate.
@@ -62,9 +62,12 @@ __device__ __forceinline__ void stream_body(const GemmParams& p) {
         pdl_launch_dependents();
     }
     const int slot = blockIdx.y;
-    // Both loads issue together; `active` has an entry for every slot of the grid.
-    const int num_active = p.num_active[0];
-    const int e = p.active[slot];
+    // Both loads issue together; `active` has an entry for every slot of the grid. In GEMM2 they
+    // precede the wait: the routing kernels wrote them before GEMM1 passed its own wait, and
+    // GEMM1 triggers this launch only after that (L2 loads all the same). A block leaving here
+    // never waits; the chain holds through the blocks of the active slots (at least one).
+    const int num_active = __ldcg(p.num_active);
+    const int e = __ldcg(p.active + slot);
     if (slot >= num_active) return;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -95,8 +98,11 @@ __device__ __forceinline__ void stream_body(const GemmParams& p) {
         }
     }
 
-    const int base = p.offsets[e];
-    const int n_e = p.offsets[e + 1] - base;
+    const int base = __ldcg(p.offsets + e);
+    const int n_e = __ldcg(p.offsets + e + 1) - base;
+    // Rows per pass: what the host sized shared memory for (min(T, 8)); an expert can hold more
+    // pairs than the batch has tokens when a caller's top-k lists an expert twice for a token.
+    const int tile = max(1, min(p.tile_rows, STREAM_TILE));
     const int kp = kg * 64;
     const int stride = kp + 8;
     const u8* wd0 = sdata + (size_t)(rgl * U) * kg * 512 + lane * 16;
@@ -107,9 +113,9 @@ __device__ __forceinline__ void stream_body(const GemmParams& p) {
         pdl_launch_dependents();
     }
 
-    for (int t0 = 0; t0 < n_e; t0 += STREAM_TILE) {
+    for (int t0 = 0; t0 < n_e; t0 += tile) {
         if (t0 > 0) __syncthreads();  // the previous tile's activation reads and partial sums are done
-        const int nvalid = min(STREAM_TILE, n_e - t0);
+        const int nvalid = min(tile, n_e - t0);
         // 2. The tile's activation rows: a warp per row (source row resolved once), lanes over
         //    16-byte pieces, zeros over the k padding.
         for (int r = warp; r < nvalid; r += STREAM_WARPS) {
@@ -192,8 +198,9 @@ __device__ __forceinline__ void stream_body(const GemmParams& p) {
     cp_async_wait<0>();  // an expert without tokens still leaves no copy in flight at exit
 }
 
+// Registers capped for 4 blocks per SM (3 gated): the occupancy runs 25–32 measured.
 #define STREAM_ONE(NAME, STAGE, GATED, RB)                                                      \
-    extern "C" __global__ void __launch_bounds__(STREAM_WARPS * 32, GATED ? 2 : 4) NAME##_r##RB(const GemmParams p) { \
+    extern "C" __global__ void __launch_bounds__(STREAM_WARPS * 32, GATED ? 3 : 4) NAME##_r##RB(const GemmParams p) { \
         stream_body<STAGE, GATED, RB>(p);                                                       \
     }
 #define STREAM(NAME, STAGE, GATED) \

@@ -584,6 +584,54 @@ fn stream_decode_matches_mma_and_is_batch_invariant() {
     }
 }
 
+/// A caller's top-k may list one expert several times for a token: that expert then holds more
+/// pairs than the batch has tokens, beyond the rows the streaming decode kernels size their
+/// shared memory for (min(T, 8)); they take it in several passes. Against the reference backend.
+#[test]
+fn repeated_expert_ids_in_a_callers_top_k() {
+    if !common::gpu_available() {
+        return;
+    }
+    use fp4moe::routing::TopK;
+    use fp4moe::Workspace;
+    for (act, quant) in [
+        (Activation::Relu2NoMul, QuantMode::W4A16),
+        (Activation::Silu, W4A4),
+    ] {
+        let s = spec(512, 256, 8, 4, act, quant);
+        for tokens in [1, 2] {
+            let x = random_tokens(tokens, 512, 8300 + tokens as u64);
+            let w = with_scales(&s, random_weights(&s, 8301).unwrap(), &x);
+            let topk = TopK {
+                tokens,
+                k: 4,
+                ids: (0..tokens * 4)
+                    .map(|i| if i % 4 == 3 { 6 } else { 2 })
+                    .collect(),
+                weights: (0..tokens * 4)
+                    .map(|i| 0.1 + 0.2 * (i % 4) as f32)
+                    .collect(),
+            };
+            let run = |backend| {
+                let layer = MoeLayer::new(s, w.clone(), BackendChoice::Use(backend)).unwrap();
+                let mut out = vec![0.0f32; tokens * 512];
+                layer
+                    .forward(&x, &topk, &mut out, &mut Workspace::default())
+                    .unwrap();
+                out
+            };
+            let (got, want) = (run(Backend::Cuda), run(Backend::Reference));
+            assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
+            let err = relative_l2(&got, &want);
+            println!("repeated ids {act} {quant} T{tokens}: rel err {err:.3e}");
+            assert!(
+                err <= 1e-2,
+                "relative error {err:e} against the reference backend"
+            );
+        }
+    }
+}
+
 #[test]
 fn router_logits_on_device_match_the_cpu() {
     if !common::gpu_available() {

@@ -49,8 +49,8 @@ pub struct Device {
     pub max_shared_bytes: usize,
     /// Streaming multiprocessors.
     pub sms: usize,
-    /// Whether expert GEMMs and the combine launch as programmatic dependents (sm_90+; the
-    /// knob `FP4MOE_PDL=0` turns it off).
+    /// Whether expert GEMMs and the combine launch as programmatic dependents (sm_90+ and a
+    /// CUDA 12.3+ driver; the knob `FP4MOE_PDL=0` turns it off).
     pub pdl: bool,
     kernels: OnceLock<std::result::Result<Kernels, String>>,
 }
@@ -110,7 +110,15 @@ fn open_device() -> std::result::Result<Device, String> {
     let sms = ctx
         .attribute(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| e.to_string())? as usize;
-    let pdl = cc.0 >= 9 && std::env::var("FP4MOE_PDL").map_or(true, |v| v != "0");
+    // Programmatic launches need sm_90 and, inside graph captures, a 12.3+ driver.
+    let mut driver = 0;
+    // SAFETY: writes one int; the driver was initialized by the context creation above.
+    let driver = match unsafe { dsys::cuDriverGetVersion(&mut driver) }.result() {
+        Ok(()) => driver,
+        Err(_) => 0,
+    };
+    let pdl =
+        cc.0 >= 9 && driver >= 12030 && std::env::var("FP4MOE_PDL").map_or(true, |v| v != "0");
     Ok(Device {
         max_shared_bytes,
         sms,
@@ -221,10 +229,12 @@ struct GemmParams {
     out_stride: i32,
     act_alpha: f32,
     gs_out: f32,
+    tile_rows: i32,
+    pad_: i32,
 }
 
 // SAFETY: `GemmParams` is `repr(C)`, plain old data, and mirrors the kernel's parameter struct
-// field for field (11 pointers, 8 ints, 2 floats; no implicit padding).
+// field for field (11 pointers, 8 ints, 2 floats, 2 ints; no implicit padding).
 unsafe impl DeviceRepr for GemmParams {}
 
 /// Device pointers of a token grouping by expert (`sort_pairs.cu`'s outputs, or the shared
@@ -608,13 +618,19 @@ fn route_small_smem(tokens: usize, experts: usize, selects: bool) -> usize {
 const ROUTER_SLICES: usize = 8;
 const ROUTER_SLICED_MAX_LOGITS: usize = 1024;
 
-/// Logits per 32-warp block of `router_logits` and `route_small` for `logits` logits.
-fn router_logits_per_block(logits: usize) -> usize {
+/// Warps per logit for `logits` logits (`router_slices` in routing.cuh).
+fn router_slices(logits: usize) -> usize {
     if logits <= ROUTER_SLICED_MAX_LOGITS {
-        32 / ROUTER_SLICES
+        ROUTER_SLICES
     } else {
-        32
+        1
     }
+}
+
+/// Logits per 32-warp block (`route_small`, and `router_logits` up to
+/// `ROUTER_SLICED_MAX_LOGITS` logits) for `logits` logits.
+fn router_logits_per_block(logits: usize) -> usize {
+    32 / router_slices(logits)
 }
 
 /// Token count from which router logits come from the tiled kernel.
@@ -783,6 +799,9 @@ pub enum DecodeKernel {
 /// Threads of a streaming decode block (`STREAM_WARPS` warps).
 const STREAM_THREADS: usize = 256;
 
+/// Most activation rows a streaming block stages per pass (`STREAM_TILE`).
+const STREAM_TILE: usize = 8;
+
 /// Largest batch whose NVFP4 decode GEMMs stream by default. Measured on the H200 (graph
 /// replays, KERNEL_NOTES run 28, µs per layer, stream / mma): Nemotron 46.7 / 51.9 at 1 token,
 /// 78.1 / 81.6 at 2, 122.8 / 124.9 at 4, 207.6 / 165.6 at 8; Qwen3 39.6 / 43.7, 59.3 / 63.0,
@@ -843,7 +862,7 @@ impl StreamShape {
         let ksplit = STREAM_THREADS / 32 / rb;
         let weights = rb * units * kg * (512 + 64);
         let red = (ksplit - 1) * rb * 32 * 4 * units * 4;
-        let act = tokens.clamp(1, 8) * (kg * 64 + 8) * 2;
+        let act = tokens.clamp(1, STREAM_TILE) * (kg * 64 + 8) * 2;
         let smem = weights + red + act;
         (smem <= max_shared_bytes).then_some(StreamShape { rb, smem })
     }
@@ -1195,11 +1214,8 @@ impl CudaLayer {
                     // 32 warps for sliced logits, 8 (a logit each) beyond: the launch shape of
                     // the warp-per-logit kernel before slicing (KERNEL_NOTES run 32).
                     let n = ws.tokens * self.spec.shape.experts;
-                    let (warps, per_block) = if n <= ROUTER_SLICED_MAX_LOGITS {
-                        (32, 32 / ROUTER_SLICES)
-                    } else {
-                        (8, 8)
-                    };
+                    let warps = if n <= ROUTER_SLICED_MAX_LOGITS { 32 } else { 8 };
+                    let per_block = warps / router_slices(n);
                     let cfg = LaunchConfig {
                         grid_dim: (n.div_ceil(per_block) as u32, 1, 1),
                         block_dim: (warps as u32 * 32, 1, 1),
@@ -1285,20 +1301,21 @@ impl CudaLayer {
             .decode_kernel
             .or_else(DecodeKernel::from_env)
             .unwrap_or(DecodeKernel::for_tokens(tokens));
-        let candidates = StreamShape::candidates(proj.k, gated, tokens, self.dev.max_shared_bytes);
-        let shape = match self.stream_units.or_else(StreamShape::from_env) {
-            Some(rb) => candidates.iter().find(|c| c.rb == rb).copied(),
-            None => StreamShape::choose(
-                &candidates,
-                |c| rg_out.div_ceil(c.rb) * slots,
-                |c| self.stream_resident(stream.unwrap_or_default(), c),
-            ),
+        let streaming = match (stream, kernel) {
+            (Some(stream), DecodeKernel::Stream) => self
+                .stream_shape(stream, proj.k, gated, rg_out, tokens)
+                .map(|sh| (stream, sh)),
+            _ => None,
         };
-        if let (Some(stream), DecodeKernel::Stream, Some(sh)) = (stream, kernel, shape) {
+        if let Some((stream, sh)) = streaming {
             let cfg = LaunchConfig {
                 grid_dim: (rg_out.div_ceil(sh.rb) as u32, slots as u32, 1),
                 block_dim: (STREAM_THREADS as u32, 1, 1),
                 shared_mem_bytes: sh.smem as u32,
+            };
+            let params = GemmParams {
+                tile_rows: tokens.clamp(1, STREAM_TILE) as i32,
+                ..params
             };
             return self.launch_gemm(&format!("{stream}_r{}", sh.rb), cfg, params);
         }
@@ -1321,6 +1338,35 @@ impl CudaLayer {
             shared_mem_bytes: smem,
         };
         self.launch_gemm(&kname, cfg, params)
+    }
+
+    /// The streaming launch shape for `tokens` tokens, or `None` when it does not fit. Units per
+    /// block: forced (layer, then `FP4MOE_STREAM_UNITS`), else [`StreamShape::choose`]'s for one
+    /// token (top-k experts): a property of the layer, not of the batch, so a token's bits do not
+    /// depend on the batch (the units per block set the K split).
+    fn stream_shape(
+        &self,
+        stream: &str,
+        k: usize,
+        gated: bool,
+        rg_out: usize,
+        tokens: usize,
+    ) -> Option<StreamShape> {
+        let max = self.dev.max_shared_bytes;
+        let rb = match self.stream_units.or_else(StreamShape::from_env) {
+            Some(rb) => rb,
+            None => {
+                let one = StreamShape::candidates(k, gated, 1, max);
+                let slots = self.spec.routing.top_k;
+                StreamShape::choose(
+                    &one,
+                    |c| rg_out.div_ceil(c.rb) * slots,
+                    |c| self.stream_resident(stream, c),
+                )?
+                .rb
+            }
+        };
+        StreamShape::new(rb, k, gated, tokens, max)
     }
 
     /// Blocks of streaming kernel family `stream` in shape `c` the whole device holds at once
@@ -1885,6 +1931,8 @@ mod tests {
     fn stream_shape_sizes_shared_memory_and_prefers_one_wave() {
         let threads = compile::kernel_define("expert_stream.cu", "STREAM_WARPS") * 32;
         assert_eq!(threads, STREAM_THREADS);
+        let tile = compile::kernel_define("expert_stream.cu", "STREAM_TILE");
+        assert_eq!(tile, STREAM_TILE);
         let h200 = 227 * 1024;
         // Nemotron GEMM1 at 1 token: 42 k groups of 576 bytes per unit, one activation row.
         let c = StreamShape::candidates(2688, false, 1, h200);
@@ -2014,6 +2062,48 @@ mod tests {
         }
         // 13 pointers, 10 ints, 2 floats, no padding (the kernel's struct).
         assert_eq!(std::mem::size_of::<RouteSmallParams>(), 13 * 8 + 12 * 4);
+    }
+
+    /// `GemmParams` mirrors gemm_common.cuh's struct: the same scalar fields in the same order
+    /// after the 11 pointers, and no padding.
+    #[test]
+    fn gemm_parameters_match_the_kernel() {
+        assert_eq!(std::mem::size_of::<GemmParams>(), 11 * 8 + 12 * 4);
+        let header = compile::HEADERS
+            .iter()
+            .find(|(f, _)| *f == "gemm_common.cuh")
+            .map(|(_, s)| *s)
+            .unwrap_or_default();
+        let body = header
+            .split("struct GemmParams {")
+            .nth(1)
+            .and_then(|b| b.split("};").next())
+            .unwrap_or_default();
+        let scalars: Vec<&str> = body
+            .lines()
+            .filter_map(|l| {
+                l.trim()
+                    .strip_prefix("int ")
+                    .or(l.trim().strip_prefix("float "))
+            })
+            .filter_map(|l| l.split(';').next())
+            .collect();
+        let want = [
+            "rg_out",
+            "rg_w",
+            "kg",
+            "k",
+            "shards",
+            "top_k",
+            "activation",
+            "out_stride",
+            "act_alpha",
+            "gs_out",
+            "tile_rows",
+            "pad_",
+        ];
+        assert_eq!(scalars, want);
+        assert_eq!(body.matches('*').count(), 11);
     }
 
     #[test]
