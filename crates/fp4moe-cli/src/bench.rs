@@ -102,6 +102,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
         BackendArg::Reference => Backend::Reference,
     };
     fp4moe::backend::require(backend, &spec)?;
+    if a.stages && backend != Backend::Cuda {
+        bail!("--stages times CUDA graphs: it needs --backend cuda (or auto on a GPU machine)");
+    }
     let mut w = step("quantizing random bf16 weights (ModelOpt recipe)", || {
         random_weights(&spec, a.seed)
     })?;

@@ -376,6 +376,15 @@ fn demo_rejects_bad_arguments() {
 }
 
 #[test]
+fn bench_rejects_bad_arguments() {
+    let o = fp4moe(&["bench", "--tokens", "0", "--backend", "cpu"]);
+    expect_error(&o, &["--tokens"]);
+    // Stage times come from CUDA graphs; on the CPU backend the flag is an error, not ignored.
+    let o = fp4moe(&["bench", "--tokens", "1", "--backend", "cpu", "--stages"]);
+    expect_error(&o, &["--stages", "cuda"]);
+}
+
+#[test]
 fn inspect_and_run_a_checkpoint() {
     use fp4moe::checkpoint::{write_checkpoint, Checkpoint, Family, ModelConfig, WriteOptions};
     use fp4moe::spec::{Activation, QuantMode, Scoring};
