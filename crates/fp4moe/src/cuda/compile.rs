@@ -60,16 +60,23 @@ pub const SOURCES: [(&str, &str); 8] = [
     ),
 ];
 
-/// The value of `#define NAME value` in kernel source `file` (tests tie host constants to the
-/// kernels' own). Panics when the file or the define is missing.
+/// The text of kernel source or header `file` (tests tie host constants and structs to the
+/// kernels' own). Panics when there is no such file.
 #[cfg(test)]
-pub(super) fn kernel_define(file: &str, name: &str) -> usize {
-    let src = SOURCES
+pub(super) fn kernel_text(file: &str) -> &'static str {
+    SOURCES
         .iter()
+        .chain(HEADERS.iter())
         .find(|(f, _)| *f == file)
         .map(|(_, s)| *s)
-        .unwrap_or_else(|| panic!("{file} is not a kernel source"));
-    let line = src
+        .unwrap_or_else(|| panic!("{file} is not a kernel source or header"))
+}
+
+/// The value of `#define NAME value` in kernel source or header `file`. Panics when the file or
+/// the define is missing.
+#[cfg(test)]
+pub(super) fn kernel_define(file: &str, name: &str) -> usize {
+    let line = kernel_text(file)
         .lines()
         .find(|l| l.starts_with(&format!("#define {name} ")))
         .unwrap_or_else(|| panic!("{name} not defined in {file}"));

@@ -1967,11 +1967,7 @@ mod tests {
     #[test]
     fn router_launch_constants_match_the_kernels() {
         assert_eq!(compile::kernel_define("routing.cu", "RL_WARPS"), 32);
-        let routing_cuh = compile::HEADERS
-            .iter()
-            .find(|(f, _)| *f == "routing.cuh")
-            .map(|(_, s)| *s)
-            .unwrap_or_default();
+        let routing_cuh = compile::kernel_text("routing.cuh");
         assert!(routing_cuh.contains(&format!("#define RL_SLICES {ROUTER_SLICES}\n")));
         let max = format!("#define RL_SLICED_MAX_LOGITS {ROUTER_SLICED_MAX_LOGITS}\n");
         assert!(routing_cuh.contains(&max));
@@ -2069,12 +2065,7 @@ mod tests {
     #[test]
     fn gemm_parameters_match_the_kernel() {
         assert_eq!(std::mem::size_of::<GemmParams>(), 11 * 8 + 12 * 4);
-        let header = compile::HEADERS
-            .iter()
-            .find(|(f, _)| *f == "gemm_common.cuh")
-            .map(|(_, s)| *s)
-            .unwrap_or_default();
-        let body = header
+        let body = compile::kernel_text("gemm_common.cuh")
             .split("struct GemmParams {")
             .nth(1)
             .and_then(|b| b.split("};").next())
