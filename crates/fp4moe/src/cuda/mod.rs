@@ -342,6 +342,9 @@ struct DeviceProjection {
     rows: usize,
     k: usize,
     shards: usize,
+    /// Streaming decode kernels' row-group units per block, chosen at the first streaming call
+    /// ([`CudaLayer::stream_shape`]); `None` inside: no streaming shape fits.
+    stream_units: OnceLock<Option<usize>>,
 }
 
 impl DeviceProjection {
@@ -361,6 +364,7 @@ impl DeviceProjection {
             rows: s.rows,
             k: s.cols,
             shards: s.shards,
+            stream_units: OnceLock::new(),
         })
     }
 
@@ -383,6 +387,7 @@ impl DeviceProjection {
                     rows: *rows,
                     k: *cols,
                     shards,
+                    stream_units: OnceLock::new(),
                 })
             }
         }
@@ -969,7 +974,7 @@ impl CudaLayer {
     }
 
     /// Forces the row-group units per block of the streaming decode kernels (1, 2 or 4; `None`:
-    /// chosen per call, one wave of blocks where possible). A shape that does not fit in shared
+    /// chosen once per projection, one wave of blocks for one token where possible). A shape that does not fit in shared
     /// memory falls back to the mma kernels.
     pub fn set_stream_units(&mut self, units: Option<usize>) {
         self.stream_units = units;
@@ -1295,6 +1300,7 @@ impl CudaLayer {
         rg_out: usize,
         slots: usize,
         tokens: usize,
+        one_token_slots: usize,
     ) -> Result<()> {
         let gated = name.contains("gated");
         let kernel = self
@@ -1303,7 +1309,7 @@ impl CudaLayer {
             .unwrap_or(DecodeKernel::for_tokens(tokens));
         let streaming = match (stream, kernel) {
             (Some(stream), DecodeKernel::Stream) => self
-                .stream_shape(stream, proj.k, gated, rg_out, tokens)
+                .stream_shape(stream, proj, gated, rg_out, tokens, one_token_slots)
                 .map(|sh| (stream, sh)),
             _ => None,
         };
@@ -1342,31 +1348,34 @@ impl CudaLayer {
 
     /// The streaming launch shape for `tokens` tokens, or `None` when it does not fit. Units per
     /// block: forced (layer, then `FP4MOE_STREAM_UNITS`), else [`StreamShape::choose`]'s for one
-    /// token (top-k experts): a property of the layer, not of the batch, so a token's bits do not
-    /// depend on the batch (the units per block set the K split).
+    /// token (`one_token_slots` experts), chosen once per projection: a property of the layer,
+    /// not of the batch, so a token's bits do not depend on the batch (the units per block set
+    /// the K split), and no occupancy query runs per forward.
     fn stream_shape(
         &self,
         stream: &str,
-        k: usize,
+        proj: &DeviceProjection,
         gated: bool,
         rg_out: usize,
         tokens: usize,
+        one_token_slots: usize,
     ) -> Option<StreamShape> {
         let max = self.dev.max_shared_bytes;
         let rb = match self.stream_units.or_else(StreamShape::from_env) {
             Some(rb) => rb,
             None => {
-                let one = StreamShape::candidates(k, gated, 1, max);
-                let slots = self.spec.routing.top_k;
-                StreamShape::choose(
-                    &one,
-                    |c| rg_out.div_ceil(c.rb) * slots,
-                    |c| self.stream_resident(stream, c),
-                )?
-                .rb
+                (*proj.stream_units.get_or_init(|| {
+                    let one = StreamShape::candidates(proj.k, gated, 1, max);
+                    StreamShape::choose(
+                        &one,
+                        |c| rg_out.div_ceil(c.rb) * one_token_slots,
+                        |c| self.stream_resident(stream, c),
+                    )
+                    .map(|c| c.rb)
+                }))?
             }
         };
-        StreamShape::new(rb, k, gated, tokens, max)
+        StreamShape::new(rb, proj.k, gated, tokens, max)
     }
 
     /// Blocks of streaming kernel family `stream` in shape `c` the whole device holds at once
@@ -1446,6 +1455,8 @@ impl CudaLayer {
     ) -> Result<()> {
         let gated = self.spec.activation.is_gated();
         let kind = |proj: &DeviceProjection| if proj.nvfp4 { "nvfp4" } else { "bf16" };
+        // Experts a one-token batch touches: top-k routed, the one shared expert.
+        let one_token_slots = if routed { self.spec.routing.top_k } else { 1 };
         let (rg1, rg2) = (p1.rg_out as usize, p2.rg_out as usize);
         if path == GemmPath::Prefill && w13.nvfp4 {
             let gemm = if gated {
@@ -1465,7 +1476,7 @@ impl CudaLayer {
                 (true, true) => Some("stream_gemm1_gated"),
                 (true, false) => Some("stream_gemm1_plain"),
             };
-            self.gemm(&name, stream, w13, p1, rg1, slots, tokens)?;
+            self.gemm(&name, stream, w13, p1, rg1, slots, tokens, one_token_slots)?;
         }
         if routed && self.stops_after(2) {
             return Ok(());
@@ -1475,7 +1486,7 @@ impl CudaLayer {
         } else {
             let stream = w2.nvfp4.then_some("stream_gemm2");
             let name = format!("gemm2_{}", kind(w2));
-            self.gemm(&name, stream, w2, p2, rg2, slots, tokens)
+            self.gemm(&name, stream, w2, p2, rg2, slots, tokens, one_token_slots)
         }
     }
 
