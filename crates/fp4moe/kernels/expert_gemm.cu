@@ -18,15 +18,15 @@
 // The decode kernels with two or four token subtiles dequantize through two shared-memory tables
 // (measured faster there than gemm_common.cuh's table-free dequant_fragment_alu, which the
 // prefill kernels and the one-subtile variants use: runs 9 and 24 in docs/KERNEL_NOTES.md): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
-// lut8[s] = bf16x2 (S, S) of E4M3 byte s. Every product e2m1 · S has at most 6 significant bits,
-// so the bf16 multiply is exact.
+// lut8[c] = bf16x2 (S, S) of scale code c (cuda/pack.rs: S's bf16 bits are c · 16 + 117 · 128).
+// Every product e2m1 · S has at most 6 significant bits, so the bf16 multiply is exact.
 __device__ __forceinline__ void fill_dequant_tables(u32* lut4, u32* lut8) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
         float lo = (i & 7) ? e2m1_value(i & 15) : 0.0f;
         float hi = ((i >> 4) & 7) ? e2m1_value(i >> 4) : 0.0f;
         lut4[i] = bf16x2_bits(__floats2bfloat162_rn(lo, hi));
-        float sc = e4m3_to_float((u8)i);
-        lut8[i] = bf16x2_bits(__floats2bfloat162_rn(sc, sc));
+        u32 sb = (u32)i * 16u + (117u << 7);
+        lut8[i] = sb | (sb << 16);
     }
 }
 
@@ -72,7 +72,7 @@ __device__ constexpr bool alu_dequant() { return NSUB == 1; }
 template <int NSUB>
 __device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, const u32* lut4, const u32* lut8, u32 a[4]) {
     if (alu_dequant<NSUB>())
-        dequant_fragment_alu(w, scales_to_bf16x2(s.x, j >> 1), scales_to_bf16x2(s.y, j >> 1), j, a);
+        dequant_fragment_alu(w, scale_pair(s.x, j), scale_pair(s.y, j), a);
     else
         dequant_fragment(w, (s.x >> (8 * j)) & 0xff, (s.y >> (8 * j)) & 0xff, lut4, lut8, a);
 }

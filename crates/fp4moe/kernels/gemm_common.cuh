@@ -68,24 +68,19 @@ __device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 wl, u32 w, int i) {
     return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u);
 }
 
-// S' = S · 2^118 as bf16x2 for scale bytes 2h and 2h + 1 of `b` (E4M3, sign bit clear), the
-// first in the low half. E4M3 → f16 is exact in hardware; f16 → bf16 keeps the 3-bit mantissa
-// and moves the exponent by 230 (= 127 − 15 + 118); zero stays zero.
-__device__ __forceinline__ u32 scales_to_bf16x2(u32 b, int h) {
-    __half2_raw f = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(b >> (16 * h)), __NV_E4M3);
-    u32 v = (u32)f.x | ((u32)f.y << 16);
-    u32 nonzero = (((v & 0x7FFF7FFFu) + 0x7FFF7FFFu) >> 15) & 0x00010001u;
-    return ((v >> 3) & 0x1FFF1FFFu) + nonzero * 0x7300u;
+// (S', S') = S · 2^118 as a bf16 pair for scale code byte j of `codes` (cuda/pack.rs: the codes
+// are re-encoded at upload so that this is one permute and one integer multiply-add; the E4M3
+// conversion it replaces took ~9 operations per two scales plus a permute per pair).
+#define SCALE_PAIR_BIAS 0x75807580u
+__device__ __forceinline__ u32 scale_pair(u32 codes, int j) {
+    return __byte_perm(codes, 0, 0x4440u + (u32)j) * 0x00100010u + SCALE_PAIR_BIAS;
 }
 
-// One mma A fragment (16 rows x 16 k, k block j of its 64-wide group) times 2^-8: `word` is the
-// lane's packed word for block j (see cuda/pack.rs), scg / scg8 = scales_to_bf16x2(row g's /
-// row g+8's scale bytes, j / 2).
-__device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 scg, u32 scg8, int j, u32 a[4]) {
-    // (S'(j), S'(j)): half j % 2, duplicated.
-    const u32 sel = (j & 1) ? 0x3232u : 0x1010u;
-    __nv_bfloat162 s0 = bits_bf16x2(__byte_perm(scg, 0, sel));
-    __nv_bfloat162 s1 = bits_bf16x2(__byte_perm(scg8, 0, sel));
+// One mma A fragment (16 rows x 16 k) times 2^-8: `word` is the lane's packed word for its k
+// block (see cuda/pack.rs), sg / sg8 = scale_pair of row g's / row g+8's scale codes.
+__device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 sg, u32 sg8, u32 a[4]) {
+    __nv_bfloat162 s0 = bits_bf16x2(sg);
+    __nv_bfloat162 s1 = bits_bf16x2(sg8);
     u32 wl = word << 4;
     a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 0)), s0));
     a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 1)), s1));

@@ -303,23 +303,18 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         cp_async_commit();  // possibly empty: one group per chunk
         const unsigned char* stage = ring + (c % PF_STAGES) * STAGE_BYTES;
         uint4 d[HALVES];
-        u32 sc[HALVES][4];  // scales_to_bf16x2 of rows g (h = 0, 1) and g + 8 of each slot
+        uint2 sb[HALVES];  // scale codes of rows g (x) and g + 8 (y) of each slot, k blocks 0..3
 #pragma unroll
         for (int h = 0; h < HALVES; h++) {
             const int slot = warp + 8 * h;
             d[h] = *reinterpret_cast<const uint4*>(stage + B_BYTES + slot * 512 + lane * 16);
-            const uint2 sb = *reinterpret_cast<const uint2*>(stage + B_BYTES + PF_W_BYTES + slot * 64 + g * 8);
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                sc[h][q] = scales_to_bf16x2(sb.x, q);
-                sc[h][2 + q] = scales_to_bf16x2(sb.y, q);
-            }
+            sb[h] = *reinterpret_cast<const uint2*>(stage + B_BYTES + PF_W_BYTES + slot * 64 + g * 8);
         }
 #pragma unroll
         for (int j = 0; j < 4; j++) {
 #pragma unroll
             for (int h = 0; h < HALVES; h++)
-                dequant_fragment_alu(word_of(d[h], j), sc[h][j >> 1], sc[h][2 + (j >> 1)], j, frag[h][j & 1]);
+                dequant_fragment_alu(word_of(d[h], j), scale_pair(sb[h].x, j), scale_pair(sb[h].y, j), frag[h][j & 1]);
 #if PF_WGMMA
             wgmma_fence();
             u64 desc = smem_desc(stage + j * 256);

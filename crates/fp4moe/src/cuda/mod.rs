@@ -1987,6 +1987,27 @@ mod tests {
     }
 
     #[test]
+    fn scale_code_biases_match_the_kernels() {
+        let header = |name: &str| {
+            compile::HEADERS
+                .iter()
+                .find(|(f, _)| *f == name)
+                .map(|(_, s)| *s)
+                .unwrap_or_default()
+        };
+        let pair = u32::from(pack::SCALE_T_BIAS) * 0x0001_0001;
+        let define = format!("#define SCALE_PAIR_BIAS {pair:#010x}u\n");
+        assert!(header("gemm_common.cuh").contains(&define), "{define}");
+        let table = format!("({}u << 7)", pack::SCALE_S_BIAS >> 7);
+        let src = compile::SOURCES
+            .iter()
+            .find(|(f, _)| *f == "expert_gemm.cu")
+            .map(|(_, s)| *s)
+            .unwrap_or_default();
+        assert!(src.contains(&table), "{table}");
+    }
+
+    #[test]
     fn tuning_choice_maps_known_values_only() {
         static SET: OnceLock<Option<String>> = OnceLock::new();
         static ODD: OnceLock<Option<String>> = OnceLock::new();

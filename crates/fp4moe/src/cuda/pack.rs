@@ -6,15 +6,49 @@
 //! - data, 512 bytes: lane `L = 4g + q`, bytes `16L + 4j + {0,1,2,3}` = packed bytes of
 //!   `(row g, k 2q..2q+1)`, `(row g+8, k 2q..)`, `(row g, k 2q+8..2q+9)`, `(row g+8, k 2q+8..)`
 //!   of k block `4kg + j` (each byte holds two E2M1 codes, even k low);
-//! - scales, 64 bytes: `8g + j` = scale of row g, block `4kg + j`; `8g + 4 + j` = row g + 8.
+//! - scales, 64 bytes: `8g + j` = scale code of row g, block `4kg + j`; `8g + 4 + j` = row g + 8.
 //!
-//! K is padded to a multiple of 64 with zero codes and zero scales.
+//! Scale codes ([`scale_code`]): the E4M3 block scale S re-encoded so that one integer
+//! multiply-add gives a bf16 pair on the device: with T = S · 2^118 (bf16 exponent field F in
+//! 236..=253 for every nonzero E4M3 value, subnormals included, and a 3-bit mantissa m3), the
+//! code is `(F − 235)·8 + m3` (8..=151) and `code · 16 + 0x7580` are T's bf16 bits; `code ·
+//! 0x0010_0010 + 0x7580_7580` the pair (T, T). Zero scales get code 0, whose decoded value is
+//! nonzero, so the codes of a zero-scale block are zeroed (its values are 0 either way).
+//!
+//! K is padded to a multiple of 64 with zero codes and zero scale codes.
 //!
 //! BF16, per row group and 16-wide k block: 32 lanes x 4 words, word i of lane `4g + q` holding
 //! the bf16 pair of A-fragment register i (rows g / g+8, k 2q.. / 2q+8..).
 
 use crate::weights::ExpertStack;
 use half::bf16;
+
+/// Offset of a scale code's decoded bf16 bits: `235 << 7` (T = S · 2^118), and for S itself
+/// `117 << 7`.
+pub const SCALE_T_BIAS: u16 = 235 << 7;
+pub const SCALE_S_BIAS: u16 = 117 << 7;
+
+/// The device scale code of E4M3 byte `b` (see the module docs); 0 for zero. Bytes the weights'
+/// validation rejects (sign bit set, NaN) map to 0 as well.
+pub fn scale_code(b: u8) -> u8 {
+    let v = crate::format::e4m3::decode(b);
+    if b & 0x80 != 0 || !v.is_finite() || v == 0.0 {
+        return 0;
+    }
+    // Exact: an E4M3 value times 2^118 is a bf16 with at most 3 mantissa bits.
+    let t = (v * 2f32.powi(118)).to_bits();
+    let (f, m3) = ((t >> 23) & 0xFF, (t >> 20) & 7);
+    ((f - 235) * 8 + m3) as u8
+}
+
+/// The E4M3 byte of scale code `c` ([`scale_code`]'s inverse on valid scales; 0 for code 0).
+pub fn scale_e4m3(c: u8) -> u8 {
+    if c == 0 {
+        return 0;
+    }
+    let t = f32::from_bits(u32::from(c as u16 * 16 + SCALE_T_BIAS) << 16);
+    crate::format::e4m3::encode_sat(t * 2f32.powi(-118))
+}
 
 /// K rounded up to the kernels' 64-wide k groups.
 pub fn padded_k(k: usize) -> usize {
@@ -46,14 +80,17 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
                             s.packed[(e * s.rows + row) * rb + kb * 8 + byte_in_block]
                         };
                         let o = (tile + kgi) * 512 + lane * 16 + 4 * j;
-                        data[o] = at(rows[0], q);
-                        data[o + 1] = at(rows[1], q);
-                        data[o + 2] = at(rows[0], 4 + q);
-                        data[o + 3] = at(rows[1], 4 + q);
+                        let code = |row: usize| scale_code(s.scales[(e * s.rows + row) * sc + kb]);
+                        // A zero-scale block's codes become zero (see the module docs).
+                        let keep = |row: usize, b: u8| if code(row) == 0 { 0 } else { b };
+                        data[o] = keep(rows[0], at(rows[0], q));
+                        data[o + 1] = keep(rows[1], at(rows[1], q));
+                        data[o + 2] = keep(rows[0], at(rows[0], 4 + q));
+                        data[o + 3] = keep(rows[1], at(rows[1], 4 + q));
                         if q == 0 {
                             let so = (tile + kgi) * 64 + 8 * g;
-                            scales[so + j] = s.scales[(e * s.rows + rows[0]) * sc + kb];
-                            scales[so + 4 + j] = s.scales[(e * s.rows + rows[1]) * sc + kb];
+                            scales[so + j] = code(rows[0]);
+                            scales[so + 4 + j] = code(rows[1]);
                         }
                     }
                 }
@@ -64,7 +101,7 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
 }
 
 /// Inverse of [`pack_nvfp4`]: the linear `(packed, scales)` of a stack of `experts` `[rows, cols]`
-/// matrices (padding dropped).
+/// matrices (padding dropped); a zero-scale block comes back with zero codes.
 pub fn unpack_nvfp4(
     data: &[u8],
     scales: &[u8],
@@ -89,7 +126,8 @@ pub fn unpack_nvfp4(
                     packed[dst + q] = data[o + hi];
                     packed[dst + 4 + q] = data[o + 2 + hi];
                 }
-                lin[(e * rows + r) * cols / 16 + kb] = scales[tile * 64 + 8 * g + 4 * hi + j];
+                lin[(e * rows + r) * cols / 16 + kb] =
+                    scale_e4m3(scales[tile * 64 + 8 * g + 4 * hi + j]);
             }
         }
     }
@@ -170,12 +208,59 @@ mod tests {
                         + 8 * (r16 % 8)
                         + 4 * usize::from(r16 >= 8)
                         + j;
-                    assert_eq!(scales[so], s.scales[(e * rows + r) * cols / 16 + k / 16]);
+                    let want = s.scales[(e * rows + r) * cols / 16 + k / 16];
+                    assert_eq!(scales[so], scale_code(want));
                 }
             }
         }
         // Padding holds zero codes (value 0) and zero scales.
         assert_eq!(e2m1::decode(read_back(&data, rows, kg, 0, 0, 100)), 0.0);
+    }
+
+    /// Every valid E4M3 scale: the device's one-operation decodes give T = S · 2^118 and S
+    /// exactly (as bf16, duplicated), and the code maps back to the byte.
+    #[test]
+    fn scale_codes_decode_exactly_with_one_multiply_add() {
+        for b in 0u8..=0x7E {
+            let s = crate::format::e4m3::decode(b);
+            let c = scale_code(b);
+            assert_eq!(scale_e4m3(c), b, "byte {b:#x}");
+            if b == 0 {
+                assert_eq!(c, 0);
+                continue;
+            }
+            assert!((8..=151).contains(&c), "byte {b:#x}: code {c}");
+            let pair = u32::from(c) * 0x0010_0010 + 0x7580_7580;
+            let t = bf16::from_f32(s * 2f32.powi(118));
+            assert_eq!(t.to_f32(), s * 2f32.powi(118), "byte {b:#x}: T not a bf16");
+            assert_eq!(pair, u32::from(t.to_bits()) * 0x0001_0001, "byte {b:#x}");
+            let sb = bf16::from_bits(c as u16 * 16 + SCALE_S_BIAS);
+            assert_eq!(sb.to_f32(), s, "byte {b:#x}: S");
+        }
+        assert_eq!(scale_code(0x7F), 0); // NaN
+        assert_eq!(scale_code(0x81), 0); // negative
+    }
+
+    #[test]
+    fn zero_scale_blocks_pack_with_zero_codes() {
+        let (experts, rows, cols) = (1, 16, 64);
+        let mut s = ExpertStack::quantize_with("w", experts, rows, cols, 1, |_, b| {
+            for (i, v) in b.iter_mut().enumerate() {
+                *v = (i % 7) as f32 - 3.0;
+            }
+        })
+        .unwrap();
+        s.scales[1] = 0; // row 0, block 1: nonzero codes under a zero scale
+        let (data, scales) = pack_nvfp4(&s);
+        for k in 16..32 {
+            assert_eq!(read_back(&data, rows, 1, 0, 0, k), 0, "k{k}");
+        }
+        assert_ne!(read_back(&data, rows, 1, 0, 0, 0), 0);
+        assert_eq!(scales[1], 0);
+        let (packed, lin) = unpack_nvfp4(&data, &scales, experts, rows, cols);
+        assert_eq!(lin, s.scales);
+        assert!(packed[8..16].iter().all(|&b| b == 0));
+        assert_eq!(packed[..8], s.packed[..8]);
     }
 
     #[test]
