@@ -1988,23 +1988,17 @@ mod tests {
 
     #[test]
     fn scale_code_biases_match_the_kernels() {
-        let header = |name: &str| {
-            compile::HEADERS
-                .iter()
-                .find(|(f, _)| *f == name)
-                .map(|(_, s)| *s)
-                .unwrap_or_default()
-        };
         let pair = u32::from(pack::SCALE_T_BIAS) * 0x0001_0001;
         let define = format!("#define SCALE_PAIR_BIAS {pair:#010x}u\n");
-        assert!(header("gemm_common.cuh").contains(&define), "{define}");
+        assert!(
+            compile::kernel_text("gemm_common.cuh").contains(&define),
+            "{define}"
+        );
         let table = format!("({}u << 7)", pack::SCALE_S_BIAS >> 7);
-        let src = compile::SOURCES
-            .iter()
-            .find(|(f, _)| *f == "expert_gemm.cu")
-            .map(|(_, s)| *s)
-            .unwrap_or_default();
-        assert!(src.contains(&table), "{table}");
+        assert!(
+            compile::kernel_text("expert_gemm.cu").contains(&table),
+            "{table}"
+        );
     }
 
     #[test]
