@@ -31,9 +31,14 @@ __device__ __forceinline__ void fill_dequant_tables(u32* lut4, u32* lut8) {
 }
 
 // One mma A fragment (16 rows x 16 k) from its packed word (see cuda/pack.rs) and the block
-// scale bytes of rows g (sg) and g + 8 (sg8).
+// scale codes of rows g (sg) and g + 8 (sg8).
 __device__ __forceinline__ void dequant_fragment(u32 word, u32 sg, u32 sg8, const u32* lut4,
                                                  const u32* lut8, u32 a[4]) {
+    // Nibble-planar word (nibbles i and 4 + i: register i's codes) → byte i = register i's two
+    // codes, the table index: bytes 0 2 1 3, then nibbles 1 and 2 of each half swapped.
+    word = __byte_perm(word, 0, 0x3120u);
+    const u32 t = ((word >> 4) ^ word) & 0x00F000F0u;
+    word ^= t ^ (t << 4);
     __nv_bfloat162 s0 = bits_bf16x2(lut8[sg]), s1 = bits_bf16x2(lut8[sg8]);
     a[0] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[word & 0xff]), s0));
     a[1] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[(word >> 8) & 0xff]), s1));

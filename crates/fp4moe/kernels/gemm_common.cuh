@@ -59,13 +59,19 @@ __device__ __forceinline__ void cp_async_wait() {
 // where f32 turns subnormal).
 #define NVFP4_DEQ_UNSCALE 256.0f
 
-// bf16x2 of the two codes of byte i of w (low nibble in the low half), times 2^-126; wl = w << 4.
-__device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 wl, u32 w, int i) {
-    // Byte 1 of v = byte i of wl (low code at bits 12..15), byte 3 = byte i of w (high code at
-    // 28..31): each half holds its code s·e1e0m at the top, so the sign is in place and one
-    // shift moves both magnitudes to bits 8..6 (three operations after the permute).
-    u32 v = __byte_perm(wl, w, 0x4400u + 0x1111u * (u32)i);
-    return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u);
+// bf16x2 of A-fragment register i's two codes, times 2^-126. The packed word is nibble-planar
+// (cuda/pack.rs): nibble i holds register i's even-k code, nibble 4 + i its odd-k code, so
+// `w` (register 0, 1) or `w >> 8` (registers 2, 3) has both codes of the pair at the same
+// place o = 4·(i % 2) of each 16-bit half. One multiply puts two copies of each code in the half,
+// shifted by 6 − o (magnitude e1e0m onto bits 8..6) and 12 − o (sign onto bit 15), without
+// overlap, and a mask keeps those bits: two logic operations and an integer multiply-add (which
+// issues on the FMA pipe, not the ALU pipe the logic operations contend for), where the
+// byte-paired layout took a permute and three logic operations.
+template <int I>
+__device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 w, u32 w8) {
+    constexpr u32 keep = (I & 1) ? 0x00F000F0u : 0x000F000Fu;
+    constexpr u32 spread = (I & 1) ? ((1u << 2) | (1u << 8)) : ((1u << 6) | (1u << 12));
+    return (((I < 2 ? w : w8) & keep) * spread) & 0x81C081C0u;
 }
 
 // (S', S') = S · 2^118 as a bf16 pair for scale code byte j of `codes` (cuda/pack.rs: the codes
@@ -81,11 +87,11 @@ __device__ __forceinline__ u32 scale_pair(u32 codes, int j) {
 __device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 sg, u32 sg8, u32 a[4]) {
     __nv_bfloat162 s0 = bits_bf16x2(sg);
     __nv_bfloat162 s1 = bits_bf16x2(sg8);
-    u32 wl = word << 4;
-    a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 0)), s0));
-    a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 1)), s1));
-    a[2] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 2)), s0));
-    a[3] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits(wl, word, 3)), s1));
+    const u32 w8 = word >> 8;
+    a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<0>(word, w8)), s0));
+    a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<1>(word, w8)), s1));
+    a[2] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<2>(word, w8)), s0));
+    a[3] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<3>(word, w8)), s1));
 }
 
 // GEMM1 epilogue of one warp: row group rg of expert e (gated: acc = gate, accu = up rows), the

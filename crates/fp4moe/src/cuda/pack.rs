@@ -3,9 +3,13 @@
 //! between global memory and the tensor cores. Pure byte permutations, tested on the CPU.
 //!
 //! NVFP4, per expert, row group `rg` (16 rows) and 64-wide k group `kg` (four 16-wide blocks):
-//! - data, 512 bytes: lane `L = 4g + q`, bytes `16L + 4j + {0,1,2,3}` = packed bytes of
-//!   `(row g, k 2q..2q+1)`, `(row g+8, k 2q..)`, `(row g, k 2q+8..2q+9)`, `(row g+8, k 2q+8..)`
-//!   of k block `4kg + j` (each byte holds two E2M1 codes, even k low);
+//! - data, 512 bytes: lane `L = 4g + q`, little-endian word `16L + 4j` holds the E2M1 codes of
+//!   k block `4kg + j` for the four A-fragment registers i = `(row g, k 2q..2q+1)`,
+//!   `(row g+8, k 2q..)`, `(row g, k 2q+8..2q+9)`, `(row g+8, k 2q+8..)`, nibble-planar: nibble
+//!   `i` (bits 4i..4i+3) is register i's even-k code, nibble `4 + i` its odd-k code. The
+//!   kernels then find both codes of a register at the same place in each 16-bit half of the
+//!   word (or of the word shifted by 8), one integer multiply away from their bf16 bits
+//!   (`kernels/gemm_common.cuh`);
 //! - scales, 64 bytes: `8g + j` = scale code of row g, block `4kg + j`; `8g + 4 + j` = row g + 8.
 //!
 //! Scale codes ([`scale_code`]): the E4M3 block scale S re-encoded so that one integer
@@ -50,6 +54,19 @@ pub fn scale_e4m3(c: u8) -> u8 {
     crate::format::e4m3::encode_sat(t * 2f32.powi(-118))
 }
 
+/// The nibble-planar data word of A-fragment registers 0..3 given as code pairs (one byte each,
+/// even k in the low nibble): nibble i = pair i's low code, nibble 4 + i its high code.
+pub fn planar_word(pairs: [u8; 4]) -> u32 {
+    pairs.iter().enumerate().fold(0u32, |w, (i, &p)| {
+        w | u32::from(p & 0xF) << (4 * i) | u32::from(p >> 4) << (16 + 4 * i)
+    })
+}
+
+/// Inverse of [`planar_word`].
+pub fn planar_pairs(w: u32) -> [u8; 4] {
+    std::array::from_fn(|i| ((w >> (4 * i)) & 0xF | ((w >> (16 + 4 * i)) & 0xF) << 4) as u8)
+}
+
 /// K rounded up to the kernels' 64-wide k groups.
 pub fn padded_k(k: usize) -> usize {
     k.div_ceil(64) * 64
@@ -83,10 +100,13 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
                         let code = |row: usize| scale_code(s.scales[(e * s.rows + row) * sc + kb]);
                         // A zero-scale block's codes become zero (see the module docs).
                         let keep = |row: usize, b: u8| if code(row) == 0 { 0 } else { b };
-                        data[o] = keep(rows[0], at(rows[0], q));
-                        data[o + 1] = keep(rows[1], at(rows[1], q));
-                        data[o + 2] = keep(rows[0], at(rows[0], 4 + q));
-                        data[o + 3] = keep(rows[1], at(rows[1], 4 + q));
+                        let pairs = [
+                            keep(rows[0], at(rows[0], q)),
+                            keep(rows[1], at(rows[1], q)),
+                            keep(rows[0], at(rows[0], 4 + q)),
+                            keep(rows[1], at(rows[1], 4 + q)),
+                        ];
+                        data[o..o + 4].copy_from_slice(&planar_word(pairs).to_le_bytes());
                         if q == 0 {
                             let so = (tile + kgi) * 64 + 8 * g;
                             scales[so + j] = code(rows[0]);
@@ -122,9 +142,11 @@ pub fn unpack_nvfp4(
                 let tile = (e * rg_n + rg) * kg + kgi;
                 for q in 0..4 {
                     let o = tile * 512 + (4 * g + q) * 16 + 4 * j;
+                    let word = u32::from_le_bytes([data[o], data[o + 1], data[o + 2], data[o + 3]]);
+                    let pairs = planar_pairs(word);
                     let dst = (e * rows + r) * cols / 2 + kb * 8;
-                    packed[dst + q] = data[o + hi];
-                    packed[dst + 4 + q] = data[o + 2 + hi];
+                    packed[dst + q] = pairs[hi];
+                    packed[dst + 4 + q] = pairs[2 + hi];
                 }
                 lin[(e * rows + r) * cols / 16 + kb] =
                     scale_e4m3(scales[tile * 64 + 8 * g + 4 * hi + j]);
@@ -177,13 +199,11 @@ mod tests {
         let q = (kk % 8) / 2;
         let second_half = kk >= 8;
         let lane = 4 * g + q;
-        let byte = (usize::from(second_half) << 1) | usize::from(hi_row);
-        let b = data[((e * rows / 16 + rg) * kg + kgi) * 512 + lane * 16 + 4 * j + byte];
-        if kk % 2 == 0 {
-            b & 0xF
-        } else {
-            b >> 4
-        }
+        let reg = (usize::from(second_half) << 1) | usize::from(hi_row);
+        let o = ((e * rows / 16 + rg) * kg + kgi) * 512 + lane * 16 + 4 * j;
+        let w = u32::from_le_bytes([data[o], data[o + 1], data[o + 2], data[o + 3]]);
+        // Nibble-planar: register `reg`'s even-k code in nibble reg, odd-k in nibble 4 + reg.
+        ((w >> (4 * (reg + 4 * (kk % 2)))) & 0xF) as u8
     }
 
     #[test]
@@ -239,6 +259,52 @@ mod tests {
         }
         assert_eq!(scale_code(0x7F), 0); // NaN
         assert_eq!(scale_code(0x81), 0); // negative
+    }
+
+    /// The device's extraction (`e2m1x2_scaled_bits` in kernels/gemm_common.cuh), bit for bit.
+    fn device_pair_bits(w: u32, i: usize) -> u32 {
+        let v = if i < 2 { w } else { w >> 8 };
+        let (keep, spread) = if i % 2 == 1 {
+            (0x00F0_00F0u32, (1u32 << 2) | (1 << 8))
+        } else {
+            (0x000F_000F, (1 << 6) | (1 << 12))
+        };
+        ((v & keep).wrapping_mul(spread)) & 0x81C0_81C0
+    }
+
+    /// Every code pair in every register position, beside arbitrary neighbours: the multiply
+    /// gives the bf16 bits of e2m1 · 2^-126 for both codes (the sign bit alone for -0), and the
+    /// table kernels' byte interleave gives the pair byte back.
+    #[test]
+    fn planar_words_decode_with_one_multiply_per_pair() {
+        let bits = |code: u8| -> u16 {
+            let m = f32::from(code & 7 != 0) * e2m1::decode(code & 7) * 2f32.powi(-126);
+            let b = bf16::from_f32(m);
+            assert_eq!(b.to_f32(), m, "code {code}: not exact in bf16");
+            b.to_bits() | (u16::from(code & 8) << 12)
+        };
+        let mut fill = 0x9E37_79B9u32;
+        for i in 0..4 {
+            for pair in 0..=255u8 {
+                fill = fill.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let mut pairs = fill.to_le_bytes();
+                pairs[i] = pair;
+                let w = planar_word(pairs);
+                assert_eq!(planar_pairs(w), pairs);
+                let want = u32::from(bits(pair & 0xF)) | u32::from(bits(pair >> 4)) << 16;
+                assert_eq!(
+                    device_pair_bits(w, i),
+                    want,
+                    "register {i}, pair {pair:#04x}"
+                );
+                // expert_gemm.cu's dequant_fragment: byte_perm(w, 0, 0x3120), nibble swap.
+                let b = w.to_le_bytes();
+                let mut u = u32::from_le_bytes([b[0], b[2], b[1], b[3]]);
+                let t = ((u >> 4) ^ u) & 0x00F0_00F0;
+                u ^= t ^ (t << 4);
+                assert_eq!(u.to_le_bytes(), pairs, "register {i}, pair {pair:#04x}");
+            }
+        }
     }
 
     #[test]
