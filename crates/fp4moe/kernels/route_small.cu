@@ -9,7 +9,9 @@
 // so the next launch (CUDA-graph replays included; launches on one stream are serialized) starts
 // from 0. No block ever waits on another, so residency does not matter. ROUTE_FROM_LOGITS (logits
 // given, [T, E]) and ROUTE_FROM_IDS (ids and weights given, [T, k]) run one block.
-// The continuing block then runs, separated by __syncthreads:
+// The continuing block then runs, for at most SORT_WARP_MAX_PAIRS (32) pairs, top-k and
+// sort_pairs_warp in the first warps beside prepare_input in the others; beyond, separated by
+// __syncthreads:
 //   1. top-k (modes ROUTER/LOGITS): warps 0..topk_warps-1 take tokens t = w, w + topk_warps, ...
 //      (routing.cuh), scratch [topk_warps][2·E + 64] floats;
 //   2. the pair sort of T·k pairs (sort_pairs.cuh), scratch [32][E] + [E] ints;
@@ -61,6 +63,29 @@ extern "C" __global__ void __launch_bounds__(1024) route_small(const RouteSmallP
         }
         if (!__syncthreads_or(threadIdx.x == 0 && ticket == (int)gridDim.x - 1)) return;
         if (threadIdx.x == 0) *p.ticket = 0;  // every block has drawn: ready for the next launch
+    }
+    if (tokens * p.top_k <= SORT_WARP_MAX_PAIRS) {
+        // A few pairs: warp 0 groups them right after the top-k warps are done (named barrier 1
+        // among those warps), while the other warps (topk_warps <= 16 of 32) prepare the input.
+        if (w < p.topk_warps) {
+            if (p.mode != ROUTE_FROM_IDS) {
+                for (int t = w; t < tokens; t += p.topk_warps)
+                    topk_token(p.logits + (size_t)t * experts, p.bias, p.ids + t * p.top_k,
+                               p.weights + t * p.top_k, smem + w * (2 * experts + 64), experts, p.top_k,
+                               p.scoring, p.n_group, p.topk_group, p.renormalize, p.rsf);
+                if (p.topk_warps > 1) asm volatile("bar.sync 1, %0;" ::"r"(32 * p.topk_warps) : "memory");
+            }
+            if (w == 0)
+                sort_pairs_warp(p.ids, tokens * p.top_k, experts, p.offsets, p.sorted, p.active, p.num_active);
+        } else {
+            const int first = 32 * p.topk_warps;
+            for (int t = 0; t < tokens; t++) {
+                size_t row = (size_t)t * p.hidden;
+                prepare_row(p.x + row, p.a + row, p.xs ? p.xs + row : nullptr, p.hidden, p.gs,
+                            threadIdx.x - first, blockDim.x - first);
+            }
+        }
+        return;
     }
     if (p.mode != ROUTE_FROM_IDS) {
         if (w < p.topk_warps) {

@@ -125,3 +125,37 @@ __device__ void sort_pairs_block(const int* ids, int pairs, int experts, int* of
     __syncthreads();
     place(ids, 0, pairs, experts, hist, sorted);
 }
+
+// The grouping sort_pairs_block computes, for at most 32 pairs, by one warp (pair p = lane p),
+// with no shared memory or block barrier: rank(p) = #{q : e_q < e_p} + #{q < p : e_q = e_p},
+// offsets[x] = #{q : e_q < x}, and an expert's first pair writes it to active[#{distinct
+// experts below it}]. Same outputs as the block version (route_small's one-token batches spend
+// no time in the block version's 33·E-int histograms and their barriers).
+#define SORT_WARP_MAX_PAIRS 32
+__device__ void sort_pairs_warp(const int* ids, int pairs, int experts, int* offsets, int* sorted, int* active,
+                                int* num_active) {
+    const int lane = threadIdx.x & 31;
+    const int e = lane < pairs ? ids[lane] : experts;  // experts: above every valid id
+    int rank = 0;
+    bool first = lane < pairs;
+    for (int j = 0; j < pairs; j++) {
+        const int ej = __shfl_sync(FULL_MASK, e, j);
+        rank += (ej < e) || (ej == e && j < lane);
+        if (ej == e && j < lane) first = false;
+    }
+    const u32 firsts = __ballot_sync(FULL_MASK, first);
+    int below = 0;
+    for (int j = 0; j < pairs; j++) {
+        const int ej = __shfl_sync(FULL_MASK, e, j);
+        below += ((firsts >> j) & 1u) && ej < e;
+    }
+    if (lane < pairs) sorted[rank] = lane;
+    if (first) active[below] = e;
+    if (lane == 0) num_active[0] = __popc(firsts);
+    for (int base = 0; base <= experts; base += 32) {
+        const int x = base + lane;
+        int c = 0;
+        for (int j = 0; j < pairs; j++) c += __shfl_sync(FULL_MASK, e, j) < x;
+        if (x <= experts) offsets[x] = c;
+    }
+}

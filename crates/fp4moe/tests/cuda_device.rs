@@ -415,8 +415,14 @@ fn check_fused(spec: MoeSpec, tokens: usize, seed: u64) {
     for source in [Source::Router, Source::Logits, Source::Ids] {
         layer.set_route_path(Some(RoutePath::Split));
         let split = forward_from(&layer, &mut ws, source, &dl, &topk);
+        let split_grouping = ws.grouping(&st).unwrap();
         layer.set_route_path(Some(RoutePath::Fused));
         let fused = forward_from(&layer, &mut ws, source, &dl, &topk);
+        assert_eq!(
+            ws.grouping(&st).unwrap(),
+            split_grouping,
+            "{source:?} T{tokens}: fused grouping differs from split"
+        );
         // Twice: the block ticket counter must be back at 0 after a launch.
         let again = forward_from(&layer, &mut ws, source, &dl, &topk);
         let what = ["output", "ids", "weights", "logits"];
@@ -467,8 +473,9 @@ fn fused_routing_matches_split_bitwise() {
     }
     for quant in [QuantMode::W4A16, W4A4] {
         for shared in [None, Some(256)] {
-            // 40: the top-k warps take several tokens each.
-            for t in [1, 7, 16, 40] {
+            // 1 and 5: at most 32 pairs, grouped by one warp; 40: the top-k warps take several
+            // tokens each.
+            for t in [1, 5, 7, 16, 40] {
                 // Sigmoid scoring with a bias, rsf 2.5, grouped selection (4 groups, keep 2).
                 let mut s = spec(1024, 512, 64, 6, Activation::Relu2NoMul, quant);
                 s.routing.n_group = 4;

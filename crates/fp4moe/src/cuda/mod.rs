@@ -424,9 +424,37 @@ pub struct CudaWorkspace {
     sh_o: CudaSlice<f32>,
 }
 
+/// The expert grouping of a forward: what the GEMMs iterate over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertGrouping {
+    /// `[E + 1]`: expert e's pairs are `sorted[offsets[e]..offsets[e + 1]]`.
+    pub offsets: Vec<i32>,
+    /// `[T·k]`: pair indices `t·k + j`, by expert, increasing within an expert.
+    pub sorted: Vec<i32>,
+    /// The experts with at least one pair, in increasing id.
+    pub active: Vec<i32>,
+}
+
 impl CudaWorkspace {
     pub fn tokens(&self) -> usize {
         self.tokens
+    }
+
+    /// Downloads the routed experts' grouping of the last forward on `stream` (synchronizing).
+    pub fn grouping(&self, stream: &Arc<CudaStream>) -> Result<ExpertGrouping> {
+        let get = |s: &CudaSlice<i32>| {
+            stream
+                .clone_dtoh(s)
+                .map_err(driver_err("grouping download"))
+        };
+        let n = get(&self.num_active)?.first().copied().unwrap_or(0).max(0) as usize;
+        let mut active = get(&self.active)?;
+        active.truncate(n);
+        Ok(ExpertGrouping {
+            offsets: get(&self.offsets)?,
+            sorted: get(&self.sorted)?,
+            active,
+        })
     }
 }
 
