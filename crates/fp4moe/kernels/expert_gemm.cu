@@ -16,8 +16,10 @@
 #include "gemm_common.cuh"
 
 // The decode kernels with two or four token subtiles dequantize through two shared-memory tables
-// (measured faster there than gemm_common.cuh's table-free dequant_fragment_alu, which the
-// prefill kernels and the one-subtile variants use: runs 9 and 24 in docs/KERNEL_NOTES.md): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
+// (faster there than gemm_common.cuh's table-free dequant_fragment_alu, which the prefill
+// kernels and the one-subtile variants use, in runs 9 and 24; as fast since run 34's cheaper
+// conversion, which would take the gated variants from 126 to 151 registers; see
+// docs/KERNEL_NOTES.md): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
 // lut8[c] = bf16x2 (S, S) of scale code c (cuda/pack.rs: S's bf16 bits are c · 16 + 117 · 128).
 // Every product e2m1 · S has at most 6 significant bits, so the bf16 multiply is exact.
 __device__ __forceinline__ void fill_dequant_tables(u32* lut4, u32* lut8) {
