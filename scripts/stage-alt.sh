@@ -16,13 +16,13 @@ git -C "$root" worktree add --detach "$wt" "$rev" >/dev/null
 export CARGO_TARGET_DIR="${ALT_TARGET_DIR:-$root/target/alt}" CARGO_PROFILE_RELEASE_DEBUG=false
 (cd "$wt" && cargo build --release --bin fp4moe)
 tests=""; for t in ${ALT_TESTS:-cuda_device}; do tests="$tests --test $t"; done
-exe=$(cd "$wt" && cargo test --release -p fp4moe $tests --no-run --message-format=json 2>/dev/null \
+mapfile -t exe < <(cd "$wt" && cargo test --release -p fp4moe $tests --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys
 for l in sys.stdin:
     try: m=json.loads(l)
     except ValueError: continue
     if m.get("executable") and m.get("profile",{}).get("test"): print(m["executable"])')
 rm -rf "$root/.gpu/$name" && mkdir -p "$root/.gpu/$name"
-cp "$CARGO_TARGET_DIR/release/fp4moe" $exe "$root/.gpu/$name/"
+cp "$CARGO_TARGET_DIR/release/fp4moe" "${exe[@]}" "$root/.gpu/$name/"
 strip "$root/.gpu/$name"/* 2>/dev/null || true
 echo "staged .gpu/$name ($(git -C "$root" rev-parse --short "$rev")): $(ls "$root/.gpu/$name" | tr '\n' ' ')"

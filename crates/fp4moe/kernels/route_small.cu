@@ -18,7 +18,8 @@
 //   3. prepare_input of every token (prepare_input.cuh), no scratch: tokens over up to 8 groups of
 //      threads.
 // Dynamic shared memory: the largest phase's scratch (the phases reuse it). Limits (checked by
-// the host): E <= 512, top_k <= 32, T·k <= 4096, topk_warps in 1..32.
+// the host): E <= 512, top_k <= 32, T·k <= 4096, topk_warps in 1..16 (the warps beyond
+// prepare the input of few-pair batches).
 #include "routing.cuh"
 #include "sort_pairs.cuh"
 #include "prepare_input.cuh"

@@ -409,14 +409,21 @@ fn check_fused(spec: MoeSpec, tokens: usize, seed: u64) {
         "the fused kernel cannot run this case"
     );
     let st = layer.stream().clone();
-    let mut ws = layer.workspace(tokens).unwrap();
-    st.memcpy_htod(&x, &mut ws.x).unwrap();
+    // A fresh (zeroed) workspace per run of each path: the fused kernel's grouping and prepared
+    // input must come from it, not from a split run before it in the same buffers.
+    let fresh = |layer: &CudaLayer| {
+        let mut ws = layer.workspace(tokens).unwrap();
+        st.memcpy_htod(&x, &mut ws.x).unwrap();
+        ws
+    };
     let dl = st.clone_htod(&logits).unwrap();
     for source in [Source::Router, Source::Logits, Source::Ids] {
         layer.set_route_path(Some(RoutePath::Split));
+        let mut ws = fresh(&layer);
         let split = forward_from(&layer, &mut ws, source, &dl, &topk);
         let split_grouping = ws.grouping(&st).unwrap();
         layer.set_route_path(Some(RoutePath::Fused));
+        let mut ws = fresh(&layer);
         let fused = forward_from(&layer, &mut ws, source, &dl, &topk);
         assert_eq!(
             ws.grouping(&st).unwrap(),

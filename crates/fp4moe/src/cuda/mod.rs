@@ -586,6 +586,8 @@ pub const ROUTE_FUSED_MAX_TOKENS: usize = 1;
 /// Most warps of `route_small`'s top-k phase (one token each, looping beyond): bounds its
 /// shared scratch of `2·E + 64` floats per warp (69.6 KB at E = 512, about the sort's 67.5 KB).
 const ROUTE_TOPK_WARPS: usize = 16;
+// route_small's few-pair path prepares the input in the warps past the top-k ones (of 32).
+const _: () = assert!(ROUTE_TOPK_WARPS <= 16);
 
 /// How routing, pair sort and input preparation are launched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

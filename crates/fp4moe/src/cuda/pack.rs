@@ -81,6 +81,7 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
     let mut scales = vec![0u8; s.experts * rg_n * kg * 64];
     let rb = s.row_bytes();
     let sc = s.scale_cols();
+    let codes: [u8; 256] = std::array::from_fn(|b| scale_code(b as u8));
     for e in 0..s.experts {
         for rg in 0..rg_n {
             let tile = (e * rg_n + rg) * kg;
@@ -97,7 +98,8 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
                             s.packed[(e * s.rows + row) * rb + kb * 8 + byte_in_block]
                         };
                         let o = (tile + kgi) * 512 + lane * 16 + 4 * j;
-                        let code = |row: usize| scale_code(s.scales[(e * s.rows + row) * sc + kb]);
+                        let code =
+                            |row: usize| codes[usize::from(s.scales[(e * s.rows + row) * sc + kb])];
                         // A zero-scale block's codes become zero (see the module docs).
                         let keep = |row: usize, b: u8| if code(row) == 0 { 0 } else { b };
                         let pairs = [
