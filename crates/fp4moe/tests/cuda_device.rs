@@ -57,6 +57,15 @@ fn with_scales(spec: &MoeSpec, mut w: MoeWeights, x: &[f32]) -> MoeWeights {
     w
 }
 
+/// DESIGN's tolerance against the reference backend (relative L2 error ≤ 1e-2); `context`
+/// prefixes the failure message.
+fn assert_near_reference(err: f64, context: &str) {
+    assert!(
+        err <= 1e-2,
+        "{context}relative error {err:e} against the reference backend"
+    );
+}
+
 /// Relative error of `count` tokens spread over the batch of `out` against the reference
 /// backend on the same inputs and router logits (tokens are independent).
 fn sample_error(
@@ -112,10 +121,7 @@ fn check(spec: MoeSpec, tokens: usize, seed: u64) {
         spec.shape.experts,
         spec.routing.top_k
     );
-    assert!(
-        err <= 1e-2,
-        "relative error {err:e} against the reference backend"
-    );
+    assert_near_reference(err, "");
 }
 
 const W4A4: QuantMode = QuantMode::W4A4 {
@@ -228,10 +234,7 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
         spec.routing.top_k,
         if skew { " skewed" } else { "" }
     );
-    assert!(
-        err <= 1e-2,
-        "relative error {err:e} against the reference backend"
-    );
+    assert_near_reference(err, "");
     assert!(
         vs_decode <= 1e-2,
         "relative error {vs_decode:e} against the decode path"
@@ -466,10 +469,7 @@ fn check_fused(spec: MoeSpec, tokens: usize, seed: u64) {
             "fused {source:?} {} {} H{h} E{e} k{} shared {:?} T{tokens}: rel err {err:.3e}",
             spec.activation, spec.quant, spec.routing.top_k, spec.shared_intermediate
         );
-        assert!(
-            err <= 1e-2,
-            "{source:?} T{tokens}: relative error {err:e} against the reference backend"
-        );
+        assert_near_reference(err, &format!("{source:?} T{tokens}: "));
     }
 }
 
@@ -586,10 +586,7 @@ fn stream_decode_matches_mma_and_is_batch_invariant() {
             println!(
                 "stream decode r{units} {act} {quant} H{h} I{i}: rel err {err:.3e} vs reference, {vs_mma:.3e} vs mma decode"
             );
-            assert!(
-                err <= 1e-2,
-                "relative error {err:e} against the reference backend"
-            );
+            assert_near_reference(err, "");
             assert!(
                 vs_mma <= 1e-3,
                 "relative error {vs_mma:e} against the mma decode kernels"
@@ -638,10 +635,7 @@ fn repeated_expert_ids_in_a_callers_top_k() {
             assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
             let err = relative_l2(&got, &want);
             println!("repeated ids {act} {quant} T{tokens}: rel err {err:.3e}");
-            assert!(
-                err <= 1e-2,
-                "relative error {err:e} against the reference backend"
-            );
+            assert_near_reference(err, "");
         }
     }
 }
