@@ -47,6 +47,23 @@ struct RouteSmallParams {
     float rsf, gs;
 };
 
+// Top-k of every token by top-k warp w (< topk_warps): tokens w, w + topk_warps, ..., in the
+// warp's own [2·E + 64]-float scratch.
+__device__ __forceinline__ void topk_tokens(const RouteSmallParams& p, int w, float* smem) {
+    for (int t = w; t < p.tokens; t += p.topk_warps)
+        topk_token(p.logits + (size_t)t * p.experts, p.bias, p.ids + t * p.top_k, p.weights + t * p.top_k,
+                   smem + w * (2 * p.experts + 64), p.experts, p.top_k, p.scoring, p.n_group, p.topk_group,
+                   p.renormalize, p.rsf);
+}
+
+// Input rows t0, t0 + step, ... (prepare_input.cuh) by threads tid of a group of n.
+__device__ __forceinline__ void prepare_rows(const RouteSmallParams& p, int t0, int step, int tid, int n) {
+    for (int t = t0; t < p.tokens; t += step) {
+        size_t row = (size_t)t * p.hidden;
+        prepare_row(p.x + row, p.a + row, p.xs ? p.xs + row : nullptr, p.hidden, p.gs, tid, n);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(1024) route_small(const RouteSmallParams p) {
     extern __shared__ float smem[];
     const int tokens = p.tokens, experts = p.experts;
@@ -70,30 +87,20 @@ extern "C" __global__ void __launch_bounds__(1024) route_small(const RouteSmallP
         // among those warps), while the other warps (topk_warps <= 16 of 32) prepare the input.
         if (w < p.topk_warps) {
             if (p.mode != ROUTE_FROM_IDS) {
-                for (int t = w; t < tokens; t += p.topk_warps)
-                    topk_token(p.logits + (size_t)t * experts, p.bias, p.ids + t * p.top_k,
-                               p.weights + t * p.top_k, smem + w * (2 * experts + 64), experts, p.top_k,
-                               p.scoring, p.n_group, p.topk_group, p.renormalize, p.rsf);
+                topk_tokens(p, w, smem);
                 if (p.topk_warps > 1) asm volatile("bar.sync 1, %0;" ::"r"(32 * p.topk_warps) : "memory");
             }
             if (w == 0)
                 sort_pairs_warp(p.ids, tokens * p.top_k, experts, p.offsets, p.sorted, p.active, p.num_active);
         } else {
             const int first = 32 * p.topk_warps;
-            for (int t = 0; t < tokens; t++) {
-                size_t row = (size_t)t * p.hidden;
-                prepare_row(p.x + row, p.a + row, p.xs ? p.xs + row : nullptr, p.hidden, p.gs,
-                            threadIdx.x - first, blockDim.x - first);
-            }
+            prepare_rows(p, 0, 1, threadIdx.x - first, blockDim.x - first);
         }
         return;
     }
     if (p.mode != ROUTE_FROM_IDS) {
         if (w < p.topk_warps) {
-            for (int t = w; t < tokens; t += p.topk_warps)
-                topk_token(p.logits + (size_t)t * experts, p.bias, p.ids + t * p.top_k, p.weights + t * p.top_k,
-                           smem + w * (2 * experts + 64), experts, p.top_k, p.scoring, p.n_group, p.topk_group,
-                           p.renormalize, p.rsf);
+            topk_tokens(p, w, smem);
         }
         __syncthreads();  // ids are in global memory for the sort, the scratch is free
     }
@@ -103,9 +110,5 @@ extern "C" __global__ void __launch_bounds__(1024) route_small(const RouteSmallP
     int groups = 1;
     while (groups < tokens && groups < 8) groups <<= 1;
     const int size = blockDim.x / groups, g = threadIdx.x / size;
-    for (int t = g; t < tokens; t += groups) {
-        size_t row = (size_t)t * p.hidden;
-        prepare_row(p.x + row, p.a + row, p.xs ? p.xs + row : nullptr, p.hidden, p.gs, threadIdx.x - g * size,
-                    size);
-    }
+    prepare_rows(p, g, groups, threadIdx.x - g * size, size);
 }
