@@ -58,6 +58,13 @@
 
 typedef unsigned long long u64;
 
+// A CUtensorMap (cuTensorMapEncodeTiled on the host), passed by value as a __grid_constant__
+// kernel parameter.
+struct __align__(64) TmaMap {
+    u64 opaque[16];
+};
+#define PF_BARS_OFFSET 576  // full[PF_STAGES], empty[PF_STAGES] mbarriers, below the ring
+
 #if PF_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -81,6 +88,68 @@ __device__ __forceinline__ void fence_acc(float (&d)[NSUB][4]) {
 __device__ __forceinline__ u64 smem_desc(const void* p) {
     u32 a = (u32)__cvta_generic_to_shared(p);
     return (u64)((a >> 4) & 0x3FFF) | ((u64)(128 >> 4) << 16) | ((u64)(1024 >> 4) << 32);
+}
+
+// Shared-memory matrix descriptor of a 128-byte-swizzled K-major B tile at `p` (1024-byte aligned
+// stage; rows of 64 k = 128 bytes, 8-row groups 1024 bytes apart; LBO unused). A 16-k step
+// inside the swizzle atom is the start address plus 32 bytes: the hardware applies the XOR
+// swizzle to the final address, as the TMA did when it wrote the tile.
+__device__ __forceinline__ u64 smem_desc_sw128(const void* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    return (u64)((a >> 4) & 0x3FFF) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// Spins until the phase of parity `parity` of `bar` has completed (acquire at cluster scope:
+// the arrivals may come from the other CTA of the cluster).
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\n"
+            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// One arrival on the barrier at the same offset as `bar` in cluster CTA `rank`.
+__device__ __forceinline__ void mbar_arrive_remote(u64* bar, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Box (64 k, 64 rows) of the 2D tensor map `map` at (k0, row0) → `dst`, completing on `bar`;
+// MULTICAST: into `dst` of both CTAs of the cluster, completing on each one's `bar`.
+template <bool MULTICAST>
+__device__ __forceinline__ void tma_load_box(void* dst, const void* map, int k0, int row0, u64* bar) {
+    if constexpr (MULTICAST)
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+            " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_u32(dst)),
+            "l"(map), "r"(k0), "r"(row0), "r"(smem_u32(bar)), "h"((unsigned short)3)
+            : "memory");
+    else
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+            " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
+            "l"(map), "r"(k0), "r"(row0), "r"(smem_u32(bar))
+            : "memory");
 }
 
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const u32 a[4], u64 desc_b) {
@@ -217,10 +286,13 @@ __device__ __forceinline__ bool slot_row_group(const GemmParams& p, int slot, in
 }
 
 // One tile of NC (16, 32, 64 or 128; at most NT) token columns: the k loop and the epilogue.
-// HALVES: slots per warp (1: 16 warps, 2: 8 warps).
-template <bool GATED, int STAGE, int NC, int NT, int HALVES>
+// HALVES: slots per warp (1: 16 warps, 2: 8 warps). TMA: how the activation tile arrives — 0:
+// gathered by every thread's cp.async through `srow`; 1: two TMA boxes from `tm` (the rows in
+// sorted order, 128-byte swizzle), completing on `bars`; 2: as 1, the box of each CTA of a
+// 2-CTA cluster multicast to both (each L2 read feeds two SMs).
+template <bool GATED, int STAGE, int NC, int NT, int HALVES, int TMA>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring, int e, int base,
-                                             int n_e, int t0, int nvalid) {
+                                             int n_e, int t0, int nvalid, const TmaMap* tm, u64* bars) {
     constexpr int NSUB = NC / 8, WARPS = 16 / HALVES, THREADS = 32 * WARPS;
     constexpr int B_BYTES = NT * 128, STAGE_BYTES = B_BYTES + PF_W_BYTES + PF_S_BYTES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
@@ -231,11 +303,11 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     // weights. Each thread's pieces are the same every chunk but for a k offset, so each has a
     // cursor resolved once here and advanced by a fixed step per chunk (chunks are staged in
     // order): a chunk costs a few adds, no branches and a cp.async per piece.
-    constexpr int A_PIECES = NC * 8, A_COPIES = (A_PIECES + THREADS - 1) / THREADS;
+    constexpr int A_PIECES = TMA ? 0 : NC * 8, A_COPIES = (A_PIECES + THREADS - 1) / THREADS;
     constexpr int W_PIECES = 16 * 36;
     constexpr int W_COPIES = (W_PIECES + THREADS - 1) / THREADS;
-    const __nv_bfloat16* a_cur[A_COPIES];
-    int a_left[A_COPIES];  // valid k from the piece's column on; <= 0: zero-fill
+    const __nv_bfloat16* a_cur[A_COPIES > 0 ? A_COPIES : 1];
+    int a_left[A_COPIES > 0 ? A_COPIES : 1];  // valid k from the piece's column on; <= 0: zero-fill
 #pragma unroll
     for (int r = 0; r < A_COPIES; r++) {
         int i = tid + r * THREADS;
@@ -276,6 +348,21 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
             cp_async16(dst + w_dst[r], w_cur[r], w_step[r] ? 16 : 0);
             w_cur[r] += w_step[r];
         }
+#if PF_WGMMA
+        if (TMA && tid == 0) {
+            // Chunk c's activation rows base + t0 .. + NT - 1 (zero past K, and past the map's
+            // rows; rows of the next expert are computed into columns nobody stores).
+            u64* full = bars + c % PF_STAGES;
+            mbar_expect_tx(full, NT * 128);
+            if constexpr (TMA == 2) {
+                const u32 r = cluster_rank();
+                tma_load_box<true>(dst + r * 64 * 128, tm, c * 64, base + t0 + 64 * r, full);
+            } else {
+#pragma unroll
+                for (int r = 0; r < NT / 64; r++) tma_load_box<false>(dst + r * 64 * 128, tm, c * 64, base + t0 + 64 * r, full);
+            }
+        }
+#endif
     };
 
     // Slot of half h: warp + 8·h (HALVES = 2) or warp (HALVES = 1).
@@ -294,12 +381,34 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         cp_async_commit();
     }
     for (int c = 0; c < p.kg; c++) {
+#if PF_WGMMA
+        if (TMA == 2 && c >= 2 && c + PF_AHEAD < p.kg && lane == 0) {
+            // This warp's MMAs of chunk c - 2 have retired (wait_group 1 after chunk c - 1):
+            // the other CTA may refill that stage (with chunk c + PF_AHEAD, at its chunk c) once
+            // every warp here has said so. Said before this warp waits for anything, so the
+            // other CTA rarely waits for it. (Inside the MMA loop it would make ptxas
+            // serialize the wgmma pipeline.)
+            mbar_arrive_remote(bars + PF_STAGES + (c - 2) % PF_STAGES, cluster_rank() ^ 1);
+        }
+#endif
         cp_async_wait<PF_AHEAD - 1>();  // chunk c has landed
 #if PF_WGMMA
         fence_proxy_async();
+        if (TMA) mbar_wait(bars + c % PF_STAGES, (c / PF_STAGES) & 1);
 #endif
         __syncthreads();
-        if (c + PF_AHEAD < p.kg) stage_chunk(c + PF_AHEAD);
+        const int cn = c + PF_AHEAD;
+#if PF_WGMMA
+        if (TMA == 2 && cn < p.kg && cn >= PF_STAGES && tid == 0) {
+            // Stage cn % PF_STAGES last held chunk c - 2, which this CTA has retired (barrier
+            // above); the other CTA, whose multicast writes here too, has retired it once all
+            // its warps have said so (phase u - 1 of the empty barrier for the stage's u-th
+            // refill), at the top of their chunk c.
+            mbar_wait(bars + PF_STAGES + cn % PF_STAGES, (cn / PF_STAGES - 1) & 1);
+        }
+        __syncwarp();
+#endif
+        if (cn < p.kg) stage_chunk(cn);
         cp_async_commit();  // possibly empty: one group per chunk
         const unsigned char* stage = ring + (c % PF_STAGES) * STAGE_BYTES;
         uint4 d[HALVES];
@@ -317,7 +426,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
                 dequant_fragment_alu(word_of(d[h], j), scale_pair(sb[h].x, j), scale_pair(sb[h].y, j), frag[h][j & 1]);
 #if PF_WGMMA
             wgmma_fence();
-            u64 desc = smem_desc(stage + j * 256);
+            u64 desc = TMA ? smem_desc_sw128(stage + j * 32) : smem_desc(stage + j * 256);
 #pragma unroll
             for (int h = 0; h < HALVES; h++) wgmma_rs<NC>(acc[h], frag[h][j & 1], desc);
             wgmma_commit();
@@ -382,11 +491,12 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 
 // NT-token tiles (PF_NT or PF_NT_SMALL): the tile's rows, then the narrowest column count that
 // holds its tokens (NT or NT / 2).
-template <bool GATED, int STAGE, int NT, int HALVES>
-__device__ __forceinline__ void prefill_body(const GemmParams& p) {
+template <bool GATED, int STAGE, int NT, int HALVES, int TMA>
+__device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* tm) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     int* srow = reinterpret_cast<int*>(smem_raw);  // activation row of each tile column, -1: none
     int* tile = srow + NT;
+    u64* bars = reinterpret_cast<u64*>(smem_raw + PF_BARS_OFFSET);
     unsigned char* ring = smem_raw + PF_RING_OFFSET;
 
     const int tid = threadIdx.x, warp = tid >> 5;
@@ -397,13 +507,34 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p) {
     const int t0 = tile[1];
     const int base = p.offsets[e], n_e = p.offsets[e + 1] - base;
     const int nvalid = min(NT, n_e - t0);
-    for (int i = tid; i < NT; i += 512 / HALVES)
-        srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
-    __syncthreads();
+    if (TMA) {
+#if PF_WGMMA
+        if (tid == 0) {
+            for (int s = 0; s < PF_STAGES; s++) {
+                mbar_init(bars + s, 1);               // full: this CTA's expect_tx + the bytes
+                mbar_init(bars + PF_STAGES + s, 512 / 32 / HALVES);  // empty: the other CTA's warps
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        // Both CTAs' barriers exist before either sends the other bytes or arrivals.
+        if (TMA == 2) cluster_sync();
+        else __syncthreads();
+#else
+        __trap();  // the host launches TMA kernels on sm_90a only
+#endif
+    } else {
+        for (int i = tid; i < NT; i += 512 / HALVES)
+            srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
+        __syncthreads();
+    }
     if (nvalid > NT / 2)
-        prefill_tile<GATED, STAGE, NT, NT, HALVES>(p, srow, ring, e, base, n_e, t0, nvalid);
+        prefill_tile<GATED, STAGE, NT, NT, HALVES, TMA>(p, srow, ring, e, base, n_e, t0, nvalid, tm, bars);
     else
-        prefill_tile<GATED, STAGE, NT / 2, NT, HALVES>(p, srow, ring, e, base, n_e, t0, nvalid);
+        prefill_tile<GATED, STAGE, NT / 2, NT, HALVES, TMA>(p, srow, ring, e, base, n_e, t0, nvalid, tm, bars);
+#if PF_WGMMA
+    // Neither CTA leaves while the other may still write its shared memory or barriers.
+    if (TMA == 2) cluster_sync();
+#endif
 }
 
 // 512 threads: one 16-row slot per warp; 256: two (HALVES = 512 / THREADS).
@@ -412,7 +543,7 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p) {
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(const GemmParams p) { \
         pdl_wait();                                                                               \
         pdl_launch_dependents();                                                                  \
-        prefill_body<GATED, STAGE, NT, 512 / THREADS>(p);                                         \
+        prefill_body<GATED, STAGE, NT, 512 / THREADS, 0>(p, nullptr);                             \
     }
 PREFILL(prefill_gemm1_gated, true, 1, PF_NT, PF_THREADS, 1)
 PREFILL(prefill_gemm1_plain, false, 1, PF_NT, PF_THREADS, 1)
@@ -422,3 +553,19 @@ PREFILL(prefill_gemm2, false, 2, PF_NT, PF_THREADS, 1)
 PREFILL(prefill_small_gemm1_gated, true, 1, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
 PREFILL(prefill_small_gemm1_plain, false, 1, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
 PREFILL(prefill_small_gemm2, false, 2, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
+// 128-token tiles whose activation rows (in sorted order: GEMM1 reads a gathered copy) come by
+// TMA from `tm`: CLUSTER 1, or 2 (grid x even; the two CTAs of a cluster share the token tile
+// and multicast half of it each).
+#define PREFILL_TMA(NAME, GATED, STAGE, CLUSTER)                                                      \
+    extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)                                      \
+        NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
+        pdl_wait();                                                                                  \
+        pdl_launch_dependents();                                                                     \
+        prefill_body<GATED, STAGE, PF_NT, 1, CLUSTER>(p, &tm);                                       \
+    }
+PREFILL_TMA(prefill_tma1_gemm1_gated, true, 1, 1)
+PREFILL_TMA(prefill_tma1_gemm1_plain, false, 1, 1)
+PREFILL_TMA(prefill_tma1_gemm2, false, 2, 1)
+PREFILL_TMA(prefill_tma2_gemm1_gated, true, 1, 2)
+PREFILL_TMA(prefill_tma2_gemm1_plain, false, 1, 2)
+PREFILL_TMA(prefill_tma2_gemm2, false, 2, 2)

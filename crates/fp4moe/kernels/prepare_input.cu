@@ -6,3 +6,14 @@ extern "C" __global__ void prepare_input(const float* __restrict__ x, __nv_bfloa
     size_t row = (size_t)blockIdx.x * hidden;
     prepare_row(x + row, a + row, xs ? xs + row : nullptr, hidden, gs, threadIdx.x, blockDim.x);
 }
+
+// The prefill GEMM1 operand in sorted order, for TMA: out[i] = a[sorted[i] / top_k] (rows of
+// `hidden` bf16, hidden % 8 == 0), one warp per row, 16-byte copies.
+extern "C" __global__ void gather_rows(const __nv_bfloat16* __restrict__ a, const int* __restrict__ sorted,
+                                       __nv_bfloat16* __restrict__ out, int pairs, int top_k, int hidden) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= pairs) return;
+    const uint4* src = reinterpret_cast<const uint4*>(a + (size_t)(sorted[row] / top_k) * hidden);
+    uint4* dst = reinterpret_cast<uint4*>(out + (size_t)row * hidden);
+    for (int i = lane; i < hidden / 8; i += 32) dst[i] = src[i];
+}

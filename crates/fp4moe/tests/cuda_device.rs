@@ -7,7 +7,7 @@
 mod common;
 
 use fp4moe::calibration::calibrate_with_router;
-use fp4moe::cuda::{CudaLayer, CudaWorkspace, DecodeKernel, GemmPath, RoutePath};
+use fp4moe::cuda::{CudaLayer, CudaWorkspace, DecodeKernel, GemmPath, PrefillFeed, RoutePath};
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
 use fp4moe::routing::router_logits;
@@ -220,6 +220,15 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
         same_bits(&out, &again),
         "prefill path not bitwise reproducible"
     );
+    // Every activation feed of the 128-token tiles (one-CTA TMA by default on sm_90a, TMA
+    // multicast over 2-CTA clusters where the row tiles pair up, per-thread cp.async) gives the
+    // same operands to the same MMAs in the same order.
+    for feed in [PrefillFeed::TmaMulticast, PrefillFeed::CpAsync] {
+        layer.set_prefill_feed(Some(feed));
+        let (fed, _) = run_device(&layer, &x, &logits);
+        assert!(same_bits(&out, &fed), "prefill feed {feed:?} differs");
+    }
+    layer.set_prefill_feed(None);
     layer.set_gemm_path(Some(GemmPath::Decode));
     let (dec, dec_ids) = run_device(&layer, &x, &logits);
     assert_eq!(ids, dec_ids);

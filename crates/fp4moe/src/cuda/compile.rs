@@ -97,7 +97,7 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "scan_pair_counts",
             "place_pairs",
         ],
-        "prepare_input.cu" => &["prepare_input"],
+        "prepare_input.cu" => &["prepare_input", "gather_rows"],
         "route_small.cu" => &["route_small"],
         "combine.cu" => &["combine"],
         "prefill_gemm.cu" => &[
@@ -107,6 +107,12 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "prefill_small_gemm1_gated",
             "prefill_small_gemm1_plain",
             "prefill_small_gemm2",
+            "prefill_tma1_gemm1_gated",
+            "prefill_tma1_gemm1_plain",
+            "prefill_tma1_gemm2",
+            "prefill_tma2_gemm1_gated",
+            "prefill_tma2_gemm1_plain",
+            "prefill_tma2_gemm2",
         ],
         _ => &[],
     };

@@ -404,6 +404,8 @@ pub struct CudaWorkspace {
     pub weights: CudaSlice<f32>,
     pub out: CudaSlice<f32>,
     a: CudaSlice<u16>,
+    /// `a`'s rows in sorted pair order (`gather_rows`), the TMA-fed prefill GEMM1's operand.
+    a_sorted: CudaSlice<u16>,
     xs: CudaSlice<u16>,
     offsets: CudaSlice<i32>,
     sorted: CudaSlice<i32>,
@@ -472,6 +474,7 @@ pub struct CudaLayer {
     gemm_path: Option<GemmPath>,
     route_path: Option<RoutePath>,
     decode_kernel: Option<DecodeKernel>,
+    prefill_feed: Option<PrefillFeed>,
     stream_units: Option<usize>,
     /// Forwards stop after this many of [`STAGES`] (timing diagnostics).
     stage_limit: Option<usize>,
@@ -771,6 +774,125 @@ impl PrefillTile {
     }
 }
 
+impl PrefillGemm {
+    /// The TMA-fed 128-token kernel of this GEMM for `feed` (not `CpAsync`).
+    fn tma_kernel(self, feed: PrefillFeed) -> &'static str {
+        match (feed, self) {
+            (PrefillFeed::TmaMulticast, PrefillGemm::Gemm1Gated) => "prefill_tma2_gemm1_gated",
+            (PrefillFeed::TmaMulticast, PrefillGemm::Gemm1Plain) => "prefill_tma2_gemm1_plain",
+            (PrefillFeed::TmaMulticast, PrefillGemm::Gemm2) => "prefill_tma2_gemm2",
+            (_, PrefillGemm::Gemm1Gated) => "prefill_tma1_gemm1_gated",
+            (_, PrefillGemm::Gemm1Plain) => "prefill_tma1_gemm1_plain",
+            (_, PrefillGemm::Gemm2) => "prefill_tma1_gemm2",
+        }
+    }
+}
+
+/// How the 128-token prefill tiles receive their activation rows (`prefill_gemm.cu`'s `TMA`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillFeed {
+    /// Every thread gathers rows through the sorted pairs with cp.async.
+    CpAsync,
+    /// The bulk-copy engine loads the tile from a row-sorted copy (TMA, 128-byte swizzle).
+    Tma,
+    /// As `Tma`, on 2-CTA clusters that share the token tile: each CTA loads half of it and
+    /// multicasts it to both, halving the activation reads from L2.
+    TmaMulticast,
+}
+
+impl PrefillFeed {
+    /// `FP4MOE_PREFILL_FEED=cp|tma|tma2`, a benchmark knob.
+    fn from_env() -> Option<Self> {
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        let choices = [
+            ("cp", PrefillFeed::CpAsync),
+            ("tma", PrefillFeed::Tma),
+            ("tma2", PrefillFeed::TmaMulticast),
+        ];
+        tuning_choice(&KNOB, "FP4MOE_PREFILL_FEED", &choices)
+    }
+
+    /// The feed for `tile` over a K of `k` bf16 and `row_tiles` weight-row tiles on `arch`:
+    /// TMA needs sm_90a, the 128-token tiles and a row stride that is a multiple of 16 bytes;
+    /// multicast pairs row tiles, so it needs an even count (an odd one would add a tile of
+    /// zero rows).
+    pub fn choose(
+        tile: PrefillTile,
+        k: usize,
+        row_tiles: usize,
+        arch: &str,
+        forced: Option<Self>,
+    ) -> Self {
+        if tile != PrefillTile::Large || arch != "sm_90a" || k % 8 != 0 {
+            return PrefillFeed::CpAsync;
+        }
+        match forced.unwrap_or(PrefillFeed::Tma) {
+            PrefillFeed::TmaMulticast if row_tiles % 2 == 1 => PrefillFeed::Tma,
+            feed => feed,
+        }
+    }
+
+    /// CTAs per cluster.
+    fn cluster(self) -> u32 {
+        if self == PrefillFeed::TmaMulticast {
+            2
+        } else {
+            1
+        }
+    }
+}
+
+/// Rows of a prefill GEMM's activation operand in sorted pair order, for its tensor map.
+#[derive(Clone, Copy, Debug)]
+struct SortedRows {
+    ptr: u64,
+    rows: usize,
+    /// Row stride in bf16 elements.
+    stride: usize,
+}
+
+/// 2D tensor map of `rows` (bf16, `k` valid columns): boxes of 64 k × 64 rows, 128-byte
+/// swizzle (what `smem_desc_sw128` reads), zero fill past K and past the last row.
+fn tensor_map(rows: SortedRows, k: usize) -> Result<dsys::CUtensorMap> {
+    use dsys::{
+        CUtensorMapDataType_enum as Ty, CUtensorMapFloatOOBfill_enum as Oob,
+        CUtensorMapInterleave_enum as Il, CUtensorMapL2promotion_enum as L2,
+        CUtensorMapSwizzle_enum as Sw,
+    };
+    let dims: [u64; 2] = [k as u64, rows.rows.max(1) as u64];
+    let strides: [u64; 1] = [(rows.stride * 2) as u64];
+    let boxes: [u32; 2] = [64, 64];
+    let steps: [u32; 2] = [1, 1];
+    // SAFETY: `map` is a plain 128-byte struct the call fills; the arrays hold rank (2) and
+    // rank - 1 entries as the API requires; `ptr` is a device address the map only records.
+    let mut map: dsys::CUtensorMap = unsafe { std::mem::zeroed() };
+    unsafe {
+        dsys::cuTensorMapEncodeTiled(
+            &mut map,
+            Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            rows.ptr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            Il::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            Sw::CU_TENSOR_MAP_SWIZZLE_128B,
+            L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            Oob::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(|e| Error::Cuda {
+        stage: "tensor map",
+        message: format!(
+            "{} rows x {k} bf16 (stride {}): {e}",
+            rows.rows, rows.stride
+        ),
+    })?;
+    Ok(map)
+}
+
 /// Which prefill GEMM a launch runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum PrefillGemm {
@@ -977,6 +1099,7 @@ impl CudaLayer {
             gemm_path: None,
             route_path: None,
             decode_kernel: None,
+            prefill_feed: None,
             stream_units: None,
             stage_limit: None,
         })
@@ -1001,6 +1124,13 @@ impl CudaLayer {
     /// memory does not fit.
     pub fn set_decode_kernel(&mut self, kernel: Option<DecodeKernel>) {
         self.decode_kernel = kernel;
+    }
+
+    /// Forces how later forwards' 128-token prefill tiles receive their activations (`None`:
+    /// [`PrefillFeed::choose`]'s default). TMA falls back to cp.async where it does not apply
+    /// (not sm_90a, 32-token tiles, a K that is not a multiple of 8).
+    pub fn set_prefill_feed(&mut self, feed: Option<PrefillFeed>) {
+        self.prefill_feed = feed;
     }
 
     /// Forces the row-group units per block of the streaming decode kernels (1, 2 or 4; `None`:
@@ -1079,7 +1209,7 @@ impl CudaLayer {
             + tokens * h
             + 2 * tokens
             + 2)
-            + 2 * (2 * tokens * h + p * i + tokens * w)
+            + 2 * (2 * tokens * h + p * h + p * i + tokens * w)
     }
 
     /// Allocates the device buffers of a forward over `tokens` tokens.
@@ -1118,6 +1248,7 @@ impl CudaLayer {
             weights: f(p)?,
             out: f(tokens * h)?,
             a: b16(tokens * h)?,
+            a_sorted: b16(p * h)?,
             xs: b16(if has_shared { tokens * h } else { 0 })?,
             offsets: i32s(e + 1)?,
             sorted: i32s(p)?,
@@ -1163,7 +1294,7 @@ impl CudaLayer {
         let mut args: [*mut c_void; 1] = [&params as *const GemmParams as *mut c_void];
         // SAFETY: every GEMM kernel takes one `GemmParams` by value (the layout of its C struct,
         // `GemmParams` is `repr(C)`); `args` points at it for the duration of the call.
-        unsafe { self.launch_dependent(name, cfg, &mut args) }
+        unsafe { self.launch_dependent(name, cfg, 1, &mut args) }
     }
 
     /// Launches kernel `name` with programmatic stream serialization where the device has it
@@ -1172,6 +1303,8 @@ impl CudaLayer {
     /// calls before touching its predecessor's outputs. Captured graphs keep the programmatic
     /// edge.
     ///
+    /// `cluster` > 1 launches clusters of that many blocks along x (grid x a multiple of it).
+    ///
     /// # Safety
     /// `args` must point to the kernel's arguments, in order and with the C types of its
     /// signature, valid for the duration of the call.
@@ -1179,12 +1312,25 @@ impl CudaLayer {
         &self,
         name: &str,
         cfg: LaunchConfig,
+        cluster: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
         let f = self.dev.function(name)?;
-        let mut attr: dsys::CUlaunchAttribute = std::mem::zeroed();
-        attr.id = dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [dsys::CUlaunchAttribute; 2] = std::mem::zeroed();
+        let mut n = 0;
+        if cluster > 1 {
+            attrs[n].id = dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = cluster;
+            attrs[n].value.clusterDim.y = 1;
+            attrs[n].value.clusterDim.z = 1;
+            n += 1;
+        }
+        if self.dev.pdl {
+            attrs[n].id =
+                dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
         let config = dsys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -1194,8 +1340,8 @@ impl CudaLayer {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.dev.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(self.dev.pdl),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
         };
         self.dev
             .ctx
@@ -1436,20 +1582,19 @@ impl CudaLayer {
     /// One prefill GEMM (`prefill_gemm.cu`): grid x over 256-weight-row tiles (128 rows of g
     /// when gated), grid y over an upper bound of the (expert, 128-token) tiles of `pairs`
     /// pairs spread over at most `slots` experts.
+    /// With a TMA `feed`, `sorted_rows` are the activation rows in sorted order.
+    #[allow(clippy::too_many_arguments)]
     fn prefill_gemm(
         &self,
         gemm: PrefillGemm,
+        tile: PrefillTile,
+        feed: PrefillFeed,
+        sorted_rows: SortedRows,
         params: GemmParams,
         rg_out: usize,
         pairs: usize,
         slots: usize,
     ) -> Result<()> {
-        let tile = PrefillTile::choose(
-            pairs,
-            slots,
-            self.dev.max_shared_bytes,
-            PrefillTile::from_env(),
-        );
         let rows_per_block = gemm.rows_per_block();
         let tiles = pairs.div_ceil(tile.tokens()) + slots;
         if tiles > 65_535 {
@@ -1460,12 +1605,30 @@ impl CudaLayer {
                 ),
             });
         }
+        let cluster = feed.cluster();
+        let row_tiles = rg_out.div_ceil(rows_per_block);
+        debug_assert_eq!(
+            row_tiles % cluster as usize,
+            0,
+            "PrefillFeed::choose pairs row tiles"
+        );
         let cfg = LaunchConfig {
-            grid_dim: (rg_out.div_ceil(rows_per_block) as u32, tiles as u32, 1),
+            grid_dim: (row_tiles as u32, tiles as u32, 1),
             block_dim: (tile.threads() as u32, 1, 1),
             shared_mem_bytes: tile.shared_bytes() as u32,
         };
-        self.launch_gemm(tile.kernel(gemm), cfg, params)
+        if feed == PrefillFeed::CpAsync {
+            return self.launch_gemm(tile.kernel(gemm), cfg, params);
+        }
+        let map = tensor_map(sorted_rows, params.k as usize)?;
+        let mut args: [*mut c_void; 2] = [
+            &params as *const GemmParams as *mut c_void,
+            &map as *const dsys::CUtensorMap as *mut c_void,
+        ];
+        let name = gemm.tma_kernel(feed);
+        // SAFETY: the TMA kernels take (GemmParams, CUtensorMap) by value; both live on this
+        // frame for the duration of the call; grid x is a multiple of the cluster size.
+        unsafe { self.launch_dependent(name, cfg, cluster, &mut args) }
     }
 
     /// GEMM1 then GEMM2 of one projection pair through the path `path` (bf16 weights always
@@ -1481,20 +1644,43 @@ impl CudaLayer {
         pairs: usize,
         slots: usize,
         tokens: usize,
-        routed: bool,
+        gathered: Option<u64>,
     ) -> Result<()> {
+        let routed = gathered.is_some();
         let gated = self.spec.activation.is_gated();
         let kind = |proj: &DeviceProjection| if proj.nvfp4 { "nvfp4" } else { "bf16" };
         // Experts a one-token batch touches: top-k routed, the one shared expert.
         let one_token_slots = if routed { self.spec.routing.top_k } else { 1 };
         let (rg1, rg2) = (p1.rg_out as usize, p2.rg_out as usize);
+        let tile = PrefillTile::choose(
+            pairs,
+            slots,
+            self.dev.max_shared_bytes,
+            PrefillTile::from_env(),
+        );
+        let feed = |k: i32, gemm: PrefillGemm, rg: usize| {
+            let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
+            let row_tiles = rg.div_ceil(gemm.rows_per_block());
+            PrefillFeed::choose(tile, k as usize, row_tiles, &self.dev.arch, forced)
+        };
         if path == GemmPath::Prefill && w13.nvfp4 {
             let gemm = if gated {
                 PrefillGemm::Gemm1Gated
             } else {
                 PrefillGemm::Gemm1Plain
             };
-            self.prefill_gemm(gemm, p1, rg1, pairs, slots)?;
+            let feed1 = feed(p1.k, gemm, rg1);
+            // The routed operand's rows in sorted order; the shared expert's already are.
+            let mut rows = SortedRows {
+                ptr: p1.act,
+                rows: pairs,
+                stride: p1.k as usize,
+            };
+            if let (Some(dst), true) = (gathered, feed1 != PrefillFeed::CpAsync) {
+                self.gather_rows(p1, dst, pairs)?;
+                rows.ptr = dst;
+            }
+            self.prefill_gemm(gemm, tile, feed1, rows, p1, rg1, pairs, slots)?;
         } else {
             let name = format!(
                 "gemm1_{}_{}",
@@ -1512,12 +1698,46 @@ impl CudaLayer {
             return Ok(());
         }
         if path == GemmPath::Prefill && w2.nvfp4 {
-            self.prefill_gemm(PrefillGemm::Gemm2, p2, rg2, pairs, slots)
+            // GEMM2's operand is GEMM1's output, written in sorted order.
+            let rows = SortedRows {
+                ptr: p2.act,
+                rows: pairs,
+                stride: p2.k as usize,
+            };
+            let gemm = PrefillGemm::Gemm2;
+            self.prefill_gemm(
+                gemm,
+                tile,
+                feed(p2.k, gemm, rg2),
+                rows,
+                p2,
+                rg2,
+                pairs,
+                slots,
+            )
         } else {
             let stream = w2.nvfp4.then_some("stream_gemm2");
             let name = format!("gemm2_{}", kind(w2));
             self.gemm(&name, stream, w2, p2, rg2, slots, tokens, one_token_slots)
         }
+    }
+
+    /// `dst[i] = act[sorted[i] / top_k]` for the `pairs` sorted pairs of `p1` (`gather_rows`).
+    fn gather_rows(&self, p1: GemmParams, dst: u64, pairs: usize) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (pairs.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (n, k, h) = (pairs as i32, p1.top_k, p1.k);
+        self.launch("gather_rows", cfg, |b| {
+            b.arg(&p1.act)
+                .arg(&p1.sorted)
+                .arg(&dst)
+                .arg(&n)
+                .arg(&k)
+                .arg(&h);
+        })
     }
 
     /// Groups the `pairs` routed pairs of `ws.ids` by expert into `grouping` (`sort_pairs.cu`):
@@ -1750,7 +1970,8 @@ impl CudaLayer {
             act_alpha: self.gs2.map_or(1.0, |gs| 1.0 / gs),
             ..grouping.params(base(&self.w2))
         };
-        self.expert_gemms(path, &self.w13, &self.w2, p1, p2, p, slots, t, true)?;
+        let gathered = Some(ptr(&ws.a_sorted, st));
+        self.expert_gemms(path, &self.w13, &self.w2, p1, p2, p, slots, t, gathered)?;
         if self.stops_after(2) {
             return Ok(());
         }
@@ -1788,7 +2009,7 @@ impl CudaLayer {
                 ..sh.params(base(s2))
             };
             let path = self.path_for(t, 1);
-            self.expert_gemms(path, s13, s2, q1, q2, t, 1, t, false)?;
+            self.expert_gemms(path, s13, s2, q1, q2, t, 1, t, None)?;
         }
         if self.stops_after(3) {
             return Ok(());
@@ -1812,7 +2033,7 @@ impl CudaLayer {
         ];
         // SAFETY: `combine(const float*, const float*, float*, int, int, int)`: three device
         // pointers and three ints, in this order, each pointed to by `args` for the call.
-        unsafe { self.launch_dependent("combine", cfg, &mut args) }
+        unsafe { self.launch_dependent("combine", cfg, 1, &mut args) }
     }
 
     /// The whole layer on the device: routing (from `logits` or the router weight) and experts,
@@ -2171,6 +2392,41 @@ mod tests {
         );
         // A100 (163 KB) holds a large tile.
         assert_eq!(tile(1 << 20, 163 * 1024, None), PrefillTile::Large);
+    }
+
+    #[test]
+    fn prefill_feed_needs_sm90a_large_tiles_and_16_byte_rows() {
+        use PrefillFeed::*;
+        let (l, sm) = (PrefillTile::Large, PrefillTile::Small);
+        let choose = PrefillFeed::choose;
+        assert_eq!(choose(l, 2688, 8, "sm_90a", None), Tma);
+        assert_eq!(
+            choose(l, 2688, 8, "sm_90a", Some(TmaMulticast)),
+            TmaMulticast
+        );
+        // An odd count of row tiles cannot pair up.
+        assert_eq!(choose(l, 1856, 11, "sm_90a", Some(TmaMulticast)), Tma);
+        assert_eq!(choose(l, 2688, 8, "sm_90a", Some(CpAsync)), CpAsync);
+        // Not applicable: cp.async whatever was asked for.
+        assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(Tma)), CpAsync);
+        assert_eq!(choose(l, 2688, 8, "sm_90", Some(Tma)), CpAsync);
+        assert_eq!(choose(l, 2688, 8, "sm_80", None), CpAsync);
+        assert_eq!(choose(l, 2692, 8, "sm_90a", None), CpAsync);
+        assert_eq!(TmaMulticast.cluster(), 2);
+        assert_eq!(Tma.cluster(), 1);
+        for feed in [Tma, TmaMulticast] {
+            for gemm in [
+                PrefillGemm::Gemm1Gated,
+                PrefillGemm::Gemm1Plain,
+                PrefillGemm::Gemm2,
+            ] {
+                let name = gemm.tma_kernel(feed);
+                assert!(compile::kernel_names("prefill_gemm.cu")
+                    .iter()
+                    .any(|n| n == name));
+                assert_eq!(name.contains("tma2"), feed == TmaMulticast, "{name}");
+            }
+        }
     }
 
     #[test]
