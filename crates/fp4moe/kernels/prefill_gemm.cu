@@ -28,7 +28,7 @@
 // column tiles of the same shared layout. Both leave the accumulators in the fragment order the
 // epilogues expect.
 //
-// Ring hazards: chunk c + D (D = PF_STAGES - 2) is copied into the stage of chunk c - 2 right
+// Ring hazards: chunk c + D (D = stages - 2; PF_STAGES, or PF_TMA_STAGES when TMA-fed) is copied into the stage of chunk c - 2 right
 // after the barrier of chunk c, when every warpgroup has retired chunk c - 2's MMAs
 // (wait_group 1 at chunk c - 1).
 //
@@ -49,7 +49,6 @@
 #define PF_NT_SMALL 32
 #define PF_SMALL_BLOCKS 2  // three (80 registers) make ptxas serialize the wgmmas (C7512)
 #define PF_STAGES 5
-#define PF_AHEAD (PF_STAGES - 2)
 #define PF_B_BYTES (PF_NT * 128)
 #define PF_W_BYTES (16 * 512)
 #define PF_S_BYTES (16 * 64)
@@ -63,7 +62,8 @@ typedef unsigned long long u64;
 struct __align__(64) TmaMap {
     u64 opaque[16];
 };
-#define PF_BARS_OFFSET 576  // full[PF_STAGES], empty[PF_STAGES] mbarriers, below the ring
+#define PF_TMA_STAGES 5     // ring stages of the TMA-fed kernels
+#define PF_BARS_OFFSET 576  // full[PF_TMA_STAGES], empty[PF_TMA_STAGES] mbarriers, below the ring
 
 #if PF_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -294,6 +294,7 @@ template <bool GATED, int STAGE, int NC, int NT, int HALVES, int TMA>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring, int e, int base,
                                              int n_e, int t0, int nvalid, const TmaMap* tm, u64* bars) {
     constexpr int NSUB = NC / 8, WARPS = 16 / HALVES, THREADS = 32 * WARPS;
+    constexpr int STAGES = TMA ? PF_TMA_STAGES : PF_STAGES, AHEAD = STAGES - 2;
     constexpr int B_BYTES = NT * 128, STAGE_BYTES = B_BYTES + PF_W_BYTES + PF_S_BYTES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u8* wdata_e = p.wdata + (size_t)e * p.rg_w * p.kg * 512;
@@ -332,7 +333,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         }
     }
     auto stage_chunk = [&](int c) {
-        unsigned char* dst = ring + (c % PF_STAGES) * STAGE_BYTES;
+        unsigned char* dst = ring + (c % STAGES) * STAGE_BYTES;
 #pragma unroll
         for (int r = 0; r < A_COPIES; r++) {
             if (A_PIECES % THREADS != 0 && tid + r * THREADS >= A_PIECES) continue;
@@ -352,7 +353,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         if (TMA && tid == 0) {
             // Chunk c's activation rows base + t0 .. + NT - 1 (zero past K, and past the map's
             // rows; rows of the next expert are computed into columns nobody stores).
-            u64* full = bars + c % PF_STAGES;
+            u64* full = bars + c % STAGES;
             mbar_expect_tx(full, NT * 128);
             if constexpr (TMA == 2) {
                 const u32 r = cluster_rank();
@@ -376,41 +377,41 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     u32 frag[HALVES][2][4];
 
 #pragma unroll
-    for (int c = 0; c < PF_AHEAD; c++) {
+    for (int c = 0; c < AHEAD; c++) {
         if (c < p.kg) stage_chunk(c);
         cp_async_commit();
     }
     for (int c = 0; c < p.kg; c++) {
 #if PF_WGMMA
-        if (TMA == 2 && c >= 2 && c + PF_AHEAD < p.kg && lane == 0) {
+        if (TMA == 2 && c >= 2 && c + AHEAD < p.kg && lane == 0) {
             // This warp's MMAs of chunk c - 2 have retired (wait_group 1 after chunk c - 1):
-            // the other CTA may refill that stage (with chunk c + PF_AHEAD, at its chunk c) once
+            // the other CTA may refill that stage (with chunk c + AHEAD, at its chunk c) once
             // every warp here has said so. Said before this warp waits for anything, so the
             // other CTA rarely waits for it. (Inside the MMA loop it would make ptxas
             // serialize the wgmma pipeline.)
-            mbar_arrive_remote(bars + PF_STAGES + (c - 2) % PF_STAGES, cluster_rank() ^ 1);
+            mbar_arrive_remote(bars + STAGES + (c - 2) % STAGES, cluster_rank() ^ 1);
         }
 #endif
-        cp_async_wait<PF_AHEAD - 1>();  // chunk c has landed
+        cp_async_wait<AHEAD - 1>();  // chunk c has landed
 #if PF_WGMMA
         fence_proxy_async();
-        if (TMA) mbar_wait(bars + c % PF_STAGES, (c / PF_STAGES) & 1);
+        if (TMA) mbar_wait(bars + c % STAGES, (c / STAGES) & 1);
 #endif
         __syncthreads();
-        const int cn = c + PF_AHEAD;
+        const int cn = c + AHEAD;
 #if PF_WGMMA
-        if (TMA == 2 && cn < p.kg && cn >= PF_STAGES && tid == 0) {
-            // Stage cn % PF_STAGES last held chunk c - 2, which this CTA has retired (barrier
+        if (TMA == 2 && cn < p.kg && cn >= STAGES && tid == 0) {
+            // Stage cn % STAGES last held chunk c - 2, which this CTA has retired (barrier
             // above); the other CTA, whose multicast writes here too, has retired it once all
             // its warps have said so (phase u - 1 of the empty barrier for the stage's u-th
             // refill), at the top of their chunk c.
-            mbar_wait(bars + PF_STAGES + cn % PF_STAGES, (cn / PF_STAGES - 1) & 1);
+            mbar_wait(bars + STAGES + cn % STAGES, (cn / STAGES - 1) & 1);
         }
         __syncwarp();
 #endif
         if (cn < p.kg) stage_chunk(cn);
         cp_async_commit();  // possibly empty: one group per chunk
-        const unsigned char* stage = ring + (c % PF_STAGES) * STAGE_BYTES;
+        const unsigned char* stage = ring + (c % STAGES) * STAGE_BYTES;
         uint4 d[HALVES];
         uint2 sb[HALVES];  // scale codes of rows g (x) and g + 8 (y) of each slot, k blocks 0..3
 #pragma unroll
@@ -510,9 +511,9 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     if (TMA) {
 #if PF_WGMMA
         if (tid == 0) {
-            for (int s = 0; s < PF_STAGES; s++) {
+            for (int s = 0; s < PF_TMA_STAGES; s++) {
                 mbar_init(bars + s, 1);               // full: this CTA's expect_tx + the bytes
-                mbar_init(bars + PF_STAGES + s, 512 / 32 / HALVES);  // empty: the other CTA's warps
+                mbar_init(bars + PF_TMA_STAGES + s, 512 / 32 / HALVES);  // empty: the other CTA's warps
             }
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
