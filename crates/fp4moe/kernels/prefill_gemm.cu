@@ -28,9 +28,16 @@
 // column tiles of the same shared layout. Both leave the accumulators in the fragment order the
 // epilogues expect.
 //
-// Ring hazards: chunk c + D (D = stages - 2; PF_STAGES, or PF_TMA_STAGES when TMA-fed) is copied into the stage of chunk c - 2 right
-// after the barrier of chunk c, when every warpgroup has retired chunk c - 2's MMAs
-// (wait_group 1 at chunk c - 1).
+// TMA feed (prefill_tma*, sm_90a, 128-token tiles): the activation rows are read in sorted pair
+// order from a tensor map (GEMM1's operand gathered by gather_rows first), thread 0 loading each
+// chunk's 128 x 64 box with two TMA boxes onto the stage's mbarrier, in the 128-byte-swizzled
+// layout of smem_desc_sw128 (row n at n·128 bytes, 16-byte pieces XORed with n % 8). The
+// weights keep their cp.async copies. prefill_tma2_*: 2-CTA clusters sharing the token tile,
+// each CTA multicasting its half of the box to both (see KERNEL_NOTES run 38: slower).
+//
+// Ring hazards: chunk c + D (D = stages - 2: PF_STAGES, or PF_TMA_STAGES when TMA-fed) is copied
+// into the stage of chunk c - 2 right after the barrier of chunk c, when every warpgroup has
+// retired chunk c - 2's MMAs (wait_group 1 at chunk c - 1).
 //
 // Work: blockIdx.x = row tile, blockIdx.y = the y-th (expert, 128-token tile) in active-expert
 // order; blocks past the last tile exit. An expert's last tile runs N = 64 when it holds at most
