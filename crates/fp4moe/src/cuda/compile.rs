@@ -454,7 +454,7 @@ mod tests {
                 assert!(src.contains(base), "{file} lacks {n}");
             }
             if file == "prefill_gemm.cu" {
-                let n = src.matches("\nPREFILL(").count();
+                let n = src.matches("\nPREFILL(").count() + src.matches("\nPREFILL_TMA(").count();
                 assert_eq!(n, names.len(), "{file}");
             } else if file == "expert_stream.cu" {
                 let n = src.matches("\nSTREAM(").count();
