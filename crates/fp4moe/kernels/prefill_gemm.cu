@@ -37,7 +37,9 @@
 //
 // Ring hazards: chunk c + D (D = stages - 2: PF_STAGES, or PF_TMA_STAGES when TMA-fed) is copied
 // into the stage of chunk c - 2 right after the barrier of chunk c, when every warpgroup has
-// retired chunk c - 2's MMAs (wait_group 1 at chunk c - 1).
+// retired chunk c - 2's MMAs (wait_group 1 at chunk c - 1). With multicast the copy also
+// overwrites the other CTA's stage, which its barrier does not cover: the empty mbarriers do
+// (every warp of the other CTA has arrived for chunk c - 2 before thread 0 refills).
 //
 // Work: blockIdx.x = row tile, blockIdx.y = the y-th (expert, 128-token tile) in active-expert
 // order; blocks past the last tile exit. An expert's last tile runs N = 64 when it holds at most
@@ -71,6 +73,11 @@ struct __align__(64) TmaMap {
 };
 #define PF_TMA_STAGES 5     // ring stages of the TMA-fed kernels
 #define PF_BARS_OFFSET 576  // full[PF_TMA_STAGES], empty[PF_TMA_STAGES] mbarriers, below the ring
+// Layout below the ring: the row table (PF_NT ints) and the tile pair, then the barriers; a
+// 128-byte-swizzled stage must start 1024-byte aligned (descriptor base offset 0).
+static_assert(PF_BARS_OFFSET >= PF_NT * 4 + 8 && PF_BARS_OFFSET % 8 == 0, "barriers overlap the row table");
+static_assert(PF_BARS_OFFSET + 2 * 8 * PF_TMA_STAGES <= PF_RING_OFFSET, "barriers overlap the ring");
+static_assert(PF_RING_OFFSET % 1024 == 0 && PF_STAGE_BYTES % 1024 == 0, "swizzled stages must be 1024-byte aligned");
 
 #if PF_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

@@ -294,6 +294,30 @@ fn prefill_gated_widths_and_modes() {
 }
 
 #[test]
+fn prefill_k_not_a_multiple_of_64() {
+    if !common::gpu_available() {
+        return;
+    }
+    // 128-token tiles (256 tokens per expert) whose K ends mid-chunk, so the TMA box is
+    // zero-filled past K: H 2704 and I 1872 (43 and 30 chunks, 16 valid k in the last); the
+    // non-gated GEMM1 has 8 row tiles, so the multicast feed runs in clusters there. Then
+    // K = 48 (less than a box: cp.async whatever is forced) and 64, one chunk each, with a
+    // single row tile.
+    check_prefill(
+        spec(2704, 1872, 16, 4, Activation::Relu2NoMul, QuantMode::W4A16),
+        1024,
+        7000,
+        false,
+    );
+    check_prefill(
+        spec(48, 64, 4, 2, Activation::Relu2NoMul, W4A4),
+        512,
+        7100,
+        false,
+    );
+}
+
+#[test]
 fn prefill_small_batches_empty_experts_top1() {
     if !common::gpu_available() {
         return;

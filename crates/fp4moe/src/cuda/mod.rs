@@ -815,19 +815,20 @@ impl PrefillFeed {
         tuning_choice(&KNOB, "FP4MOE_PREFILL_FEED", &choices)
     }
 
-    /// The feed for `tile` over a K of `k` bf16 and `row_tiles` weight-row tiles on `arch`:
-    /// TMA needs sm_90a, the 128-token tiles and a row stride that is a multiple of 16 bytes;
-    /// multicast pairs row tiles, so it needs an even count (an odd one would add a tile of
-    /// zero rows).
+    /// The feed for `tile` over an operand of `rows` rows of K = `k` bf16 and `row_tiles`
+    /// weight-row tiles on `arch`: TMA needs sm_90a, the 128-token tiles, a row stride that is
+    /// a multiple of 16 bytes and an operand at least one box (64 × 64) large; multicast pairs
+    /// row tiles, so it needs an even count (an odd one would add a tile of zero rows).
     pub fn choose(
         tile: PrefillTile,
         k: usize,
+        rows: usize,
         row_tiles: usize,
         arch: &str,
         max_shared_bytes: usize,
         forced: Option<Self>,
     ) -> Self {
-        if tile != PrefillTile::Large || arch != "sm_90a" || k % 8 != 0 {
+        if tile != PrefillTile::Large || arch != "sm_90a" || k % 8 != 0 || k < 64 || rows < 64 {
             return PrefillFeed::CpAsync;
         }
         if PrefillFeed::Tma.shared_bytes(tile) > max_shared_bytes {
@@ -1144,7 +1145,8 @@ impl CudaLayer {
 
     /// Forces how later forwards' 128-token prefill tiles receive their activations (`None`:
     /// [`PrefillFeed::choose`]'s default). TMA falls back to cp.async where it does not apply
-    /// (not sm_90a, 32-token tiles, a K that is not a multiple of 8).
+    /// (not sm_90a, 32-token tiles, a K that is not a multiple of 8), and multicast to one-CTA
+    /// TMA per GEMM where its row tiles do not pair up (an odd count).
     pub fn set_prefill_feed(&mut self, feed: Option<PrefillFeed>) {
         self.prefill_feed = feed;
     }
@@ -1623,11 +1625,15 @@ impl CudaLayer {
         }
         let cluster = feed.cluster();
         let row_tiles = rg_out.div_ceil(rows_per_block);
-        debug_assert_eq!(
-            row_tiles % cluster as usize,
-            0,
-            "PrefillFeed::choose pairs row tiles"
-        );
+        let name = gemm.tma_kernel(feed);
+        if row_tiles % cluster as usize != 0 {
+            return Err(Error::Cuda {
+                stage: "kernel launch",
+                message: format!(
+                    "{name}: {row_tiles} row tiles do not pair into clusters of {cluster}"
+                ),
+            });
+        }
         let cfg = LaunchConfig {
             grid_dim: (row_tiles as u32, tiles as u32, 1),
             block_dim: (tile.threads() as u32, 1, 1),
@@ -1636,14 +1642,21 @@ impl CudaLayer {
         if feed == PrefillFeed::CpAsync {
             return self.launch_gemm(tile.kernel(gemm), cfg, params);
         }
-        let map = tensor_map(sorted_rows, params.k as usize)?;
+        let map = tensor_map(sorted_rows, params.k as usize).map_err(|e| match e {
+            Error::Cuda { stage, message } => Error::Cuda {
+                stage,
+                message: format!("{name}: {message}"),
+            },
+            e => e,
+        })?;
         let mut args: [*mut c_void; 2] = [
             &params as *const GemmParams as *mut c_void,
             &map as *const dsys::CUtensorMap as *mut c_void,
         ];
-        let name = gemm.tma_kernel(feed);
         // SAFETY: the TMA kernels take (GemmParams, CUtensorMap) by value; both live on this
-        // frame for the duration of the call; grid x is a multiple of the cluster size.
+        // frame for the duration of the call. The map covers `sorted_rows.rows` rows of
+        // `sorted_rows.stride` bf16 inside a workspace buffer (`a_sorted`, `xs`, `g`, `sh_g`)
+        // that outlives the launch and any graph replaying it; the TMA never reads past it.
         unsafe { self.launch_dependent(name, cfg, cluster, &mut args) }
     }
 
@@ -1678,7 +1691,7 @@ impl CudaLayer {
             let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
             let row_tiles = rg.div_ceil(gemm.rows_per_block());
             let (arch, smem) = (&self.dev.arch, self.dev.max_shared_bytes);
-            PrefillFeed::choose(tile, k as usize, row_tiles, arch, smem, forced)
+            PrefillFeed::choose(tile, k as usize, pairs, row_tiles, arch, smem, forced)
         };
         if path == GemmPath::Prefill && w13.nvfp4 {
             let gemm = if gated {
@@ -2415,8 +2428,9 @@ mod tests {
     fn prefill_feed_needs_sm90a_large_tiles_and_16_byte_rows() {
         use PrefillFeed::*;
         let (l, sm) = (PrefillTile::Large, PrefillTile::Small);
-        let choose = |tile, k, rows, arch, forced| {
-            PrefillFeed::choose(tile, k, rows, arch, 227 * 1024, forced)
+        // 4096 operand rows; `tiles` weight-row tiles.
+        let choose = |tile, k, tiles, arch, forced| {
+            PrefillFeed::choose(tile, k, 4096, tiles, arch, 227 * 1024, forced)
         };
         assert_eq!(choose(l, 2688, 8, "sm_90a", None), Tma);
         assert_eq!(
@@ -2431,9 +2445,13 @@ mod tests {
         assert_eq!(choose(l, 2688, 8, "sm_90", Some(Tma)), CpAsync);
         assert_eq!(choose(l, 2688, 8, "sm_80", None), CpAsync);
         assert_eq!(choose(l, 2692, 8, "sm_90a", None), CpAsync);
+        // Less than one 64 x 64 box of operand.
+        assert_eq!(choose(l, 48, 1, "sm_90a", None), CpAsync);
+        let few_rows = PrefillFeed::choose(l, 2688, 63, 8, "sm_90a", 227 * 1024, None);
+        assert_eq!(few_rows, CpAsync);
         let small_smem = PrefillFeed::Tma.shared_bytes(l) - 1;
         assert_eq!(
-            PrefillFeed::choose(l, 2688, 8, "sm_90a", small_smem, None),
+            PrefillFeed::choose(l, 2688, 4096, 8, "sm_90a", small_smem, None),
             CpAsync
         );
         // The kernels' ring depth is the host's.
