@@ -35,8 +35,7 @@
 // weights keep their cp.async copies. prefill_tma2_*: 2-CTA clusters sharing the token tile,
 // each CTA multicasting its half of the box to both (see KERNEL_NOTES run 38: slower).
 //
-// Ring hazards: chunk c + D (D = stages - 2: PF_STAGES, or PF_TMA_STAGES when TMA-fed) is copied
-// into the stage of chunk c - 2 right after the barrier of chunk c, when every warpgroup has
+// Ring hazards: chunk c + D (D = PF_STAGES - 2) is copied into the stage of chunk c - 2 right after the barrier of chunk c, when every warpgroup has
 // retired chunk c - 2's MMAs (wait_group 1 at chunk c - 1). With multicast the copy also
 // overwrites the other CTA's stage, which its barrier does not cover: the empty mbarriers do
 // (every warp of the other CTA has arrived for chunk c - 2 before thread 0 refills).
@@ -71,12 +70,11 @@ typedef unsigned long long u64;
 struct __align__(64) TmaMap {
     u64 opaque[16];
 };
-#define PF_TMA_STAGES 5     // ring stages of the TMA-fed kernels
-#define PF_BARS_OFFSET 576  // full[PF_TMA_STAGES], empty[PF_TMA_STAGES] mbarriers, below the ring
+#define PF_BARS_OFFSET 576  // full[PF_STAGES], empty[PF_STAGES] mbarriers (TMA kernels), below the ring
 // Layout below the ring: the row table (PF_NT ints) and the tile pair, then the barriers; a
 // 128-byte-swizzled stage must start 1024-byte aligned (descriptor base offset 0).
 static_assert(PF_BARS_OFFSET >= PF_NT * 4 + 8 && PF_BARS_OFFSET % 8 == 0, "barriers overlap the row table");
-static_assert(PF_BARS_OFFSET + 2 * 8 * PF_TMA_STAGES <= PF_RING_OFFSET, "barriers overlap the ring");
+static_assert(PF_BARS_OFFSET + 2 * 8 * PF_STAGES <= PF_RING_OFFSET, "barriers overlap the ring");
 static_assert(PF_RING_OFFSET % 1024 == 0 && PF_STAGE_BYTES % 1024 == 0, "swizzled stages must be 1024-byte aligned");
 
 #if PF_WGMMA
@@ -308,7 +306,7 @@ template <bool GATED, int STAGE, int NC, int NT, int HALVES, int TMA>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring, int e, int base,
                                              int n_e, int t0, int nvalid, const TmaMap* tm, u64* bars) {
     constexpr int NSUB = NC / 8, WARPS = 16 / HALVES, THREADS = 32 * WARPS;
-    constexpr int STAGES = TMA ? PF_TMA_STAGES : PF_STAGES, AHEAD = STAGES - 2;
+    constexpr int STAGES = PF_STAGES, AHEAD = STAGES - 2;
     constexpr int B_BYTES = NT * 128, STAGE_BYTES = B_BYTES + PF_W_BYTES + PF_S_BYTES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u8* wdata_e = p.wdata + (size_t)e * p.rg_w * p.kg * 512;
@@ -525,9 +523,9 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     if (TMA) {
 #if PF_WGMMA
         if (tid == 0) {
-            for (int s = 0; s < PF_TMA_STAGES; s++) {
+            for (int s = 0; s < PF_STAGES; s++) {
                 mbar_init(bars + s, 1);               // full: this CTA's expect_tx + the bytes
-                mbar_init(bars + PF_TMA_STAGES + s, 512 / 32 / HALVES);  // empty: the other CTA's warps
+                mbar_init(bars + PF_STAGES + s, 512 / 32 / HALVES);  // empty: the other CTA's warps
             }
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }

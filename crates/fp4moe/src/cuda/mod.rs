@@ -788,9 +788,6 @@ impl PrefillGemm {
     }
 }
 
-/// Ring stages of the TMA-fed prefill kernels (`PF_TMA_STAGES` in prefill_gemm.cu).
-pub const PREFILL_TMA_STAGES: usize = 5;
-
 /// How the 128-token prefill tiles receive their activation rows (`prefill_gemm.cu`'s `TMA`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillFeed {
@@ -818,34 +815,22 @@ impl PrefillFeed {
     /// The feed for `tile` over an operand of `rows` rows of K = `k` bf16 and `row_tiles`
     /// weight-row tiles on `arch`: TMA needs sm_90a, the 128-token tiles, a row stride that is
     /// a multiple of 16 bytes and an operand at least one box (64 × 64) large; multicast pairs
-    /// row tiles, so it needs an even count (an odd one would add a tile of zero rows).
+    /// row tiles, so it needs an even count (an odd one would add a tile of zero rows). Every
+    /// feed uses the tile's ring ([`PrefillTile::shared_bytes`]).
     pub fn choose(
         tile: PrefillTile,
         k: usize,
         rows: usize,
         row_tiles: usize,
         arch: &str,
-        max_shared_bytes: usize,
         forced: Option<Self>,
     ) -> Self {
         if tile != PrefillTile::Large || arch != "sm_90a" || k % 8 != 0 || k < 64 || rows < 64 {
             return PrefillFeed::CpAsync;
         }
-        if PrefillFeed::Tma.shared_bytes(tile) > max_shared_bytes {
-            return PrefillFeed::CpAsync;
-        }
         match forced.unwrap_or(PrefillFeed::Tma) {
             PrefillFeed::TmaMulticast if row_tiles % 2 == 1 => PrefillFeed::Tma,
             feed => feed,
-        }
-    }
-
-    /// Dynamic shared memory of a block of `tile` with this feed: the TMA kernels' ring has
-    /// [`PREFILL_TMA_STAGES`] stages (`PF_TMA_STAGES`).
-    pub const fn shared_bytes(self, tile: PrefillTile) -> usize {
-        match self {
-            PrefillFeed::CpAsync => tile.shared_bytes(),
-            _ => 1024 + PREFILL_TMA_STAGES * (tile.tokens() * 128 + 16 * 512 + 16 * 64),
         }
     }
 
@@ -1637,7 +1622,7 @@ impl CudaLayer {
         let cfg = LaunchConfig {
             grid_dim: (row_tiles as u32, tiles as u32, 1),
             block_dim: (tile.threads() as u32, 1, 1),
-            shared_mem_bytes: feed.shared_bytes(tile) as u32,
+            shared_mem_bytes: tile.shared_bytes() as u32,
         };
         if feed == PrefillFeed::CpAsync {
             return self.launch_gemm(tile.kernel(gemm), cfg, params);
@@ -1690,8 +1675,7 @@ impl CudaLayer {
         let feed = |k: i32, gemm: PrefillGemm, rg: usize| {
             let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
             let row_tiles = rg.div_ceil(gemm.rows_per_block());
-            let (arch, smem) = (&self.dev.arch, self.dev.max_shared_bytes);
-            PrefillFeed::choose(tile, k as usize, pairs, row_tiles, arch, smem, forced)
+            PrefillFeed::choose(tile, k as usize, pairs, row_tiles, &self.dev.arch, forced)
         };
         if path == GemmPath::Prefill && w13.nvfp4 {
             let gemm = if gated {
@@ -2429,9 +2413,8 @@ mod tests {
         use PrefillFeed::*;
         let (l, sm) = (PrefillTile::Large, PrefillTile::Small);
         // 4096 operand rows; `tiles` weight-row tiles.
-        let choose = |tile, k, tiles, arch, forced| {
-            PrefillFeed::choose(tile, k, 4096, tiles, arch, 227 * 1024, forced)
-        };
+        let choose =
+            |tile, k, tiles, arch, forced| PrefillFeed::choose(tile, k, 4096, tiles, arch, forced);
         assert_eq!(choose(l, 2688, 8, "sm_90a", None), Tma);
         assert_eq!(
             choose(l, 2688, 8, "sm_90a", Some(TmaMulticast)),
@@ -2447,20 +2430,8 @@ mod tests {
         assert_eq!(choose(l, 2692, 8, "sm_90a", None), CpAsync);
         // Less than one 64 x 64 box of operand.
         assert_eq!(choose(l, 48, 1, "sm_90a", None), CpAsync);
-        let few_rows = PrefillFeed::choose(l, 2688, 63, 8, "sm_90a", 227 * 1024, None);
+        let few_rows = PrefillFeed::choose(l, 2688, 63, 8, "sm_90a", None);
         assert_eq!(few_rows, CpAsync);
-        let small_smem = PrefillFeed::Tma.shared_bytes(l) - 1;
-        assert_eq!(
-            PrefillFeed::choose(l, 2688, 4096, 8, "sm_90a", small_smem, None),
-            CpAsync
-        );
-        // The kernels' ring depth is the host's.
-        let src = include_str!("../../kernels/prefill_gemm.cu");
-        let define = format!("#define PF_TMA_STAGES {PREFILL_TMA_STAGES} ");
-        assert!(
-            src.contains(&define),
-            "PF_TMA_STAGES differs from PREFILL_TMA_STAGES"
-        );
         assert_eq!(TmaMulticast.cluster(), 2);
         assert_eq!(Tma.cluster(), 1);
         for feed in [Tma, TmaMulticast] {
