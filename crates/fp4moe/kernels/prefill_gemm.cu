@@ -61,9 +61,19 @@
 #define PF_W_BYTES (16 * 512)
 #define PF_S_BYTES (16 * 64)
 #define PF_STAGE_BYTES (PF_B_BYTES + PF_W_BYTES + PF_S_BYTES)
+#define PF_NT_WIDE 256      // wide tiles (prefill_wide_*, TMA only): 8 warps, 8 slots (128 rows)
+#define PF_THREADS_WIDE 256
 #define PF_RING_OFFSET 1024  // below it: the row table and the tile
 
 typedef unsigned long long u64;
+
+// Bytes of one ring stage of an NT-token tile over SLOTS 16-row slots: the activation rows (128
+// bytes per token), the slots' packed data and scales, rounded up to 1024 bytes (a 128-byte-
+// swizzled stage must start 1024-byte aligned; the 16-slot stages already are).
+__host__ __device__ constexpr int pf_stage_bytes(int nt, int slots) {
+    return (nt * 128 + slots * (512 + 64) + 1023) / 1024 * 1024;
+}
+static_assert(pf_stage_bytes(PF_NT, 16) == PF_STAGE_BYTES, "16-slot stages are unpadded");
 
 // A CUtensorMap (cuTensorMapEncodeTiled on the host), passed by value as a __grid_constant__
 // kernel parameter.
@@ -118,18 +128,30 @@ __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
 __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-// Spins until the phase of parity `parity` of `bar` has completed (acquire at cluster scope:
-// the arrivals may come from the other CTA of the cluster).
+// Spins until the phase of parity `parity` of `bar` has completed. CLUSTER: acquire at cluster
+// scope, for arrivals from the other CTA of a cluster; else at CTA scope (a cluster-scope
+// acquire invalidates L1 on every wait: `CCTL.IVALL`, 2 % of the one-CTA kernel's warp
+// samples in run 43).
+template <bool CLUSTER>
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     u32 done;
     do {
-        asm volatile(
-            "{\n.reg .pred p;\n"
-            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(smem_u32(bar)), "r"(parity)
-            : "memory");
+        if constexpr (CLUSTER)
+            asm volatile(
+                "{\n.reg .pred p;\n"
+                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                "selp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(smem_u32(bar)), "r"(parity)
+                : "memory");
+        else
+            asm volatile(
+                "{\n.reg .pred p;\n"
+                "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+                "selp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(smem_u32(bar)), "r"(parity)
+                : "memory");
     } while (!done);
 }
 // One arrival on the barrier at the same offset as `bar` in cluster CTA `rank`.
@@ -235,9 +257,15 @@ __device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[2][4], const u32 a
 }
 
 // acc += A · B over NC token columns (one m64nNCk16 per warpgroup).
+// NC > 128 (wide tiles): m64n128k16 on the first 128 columns, then the rest on B's rows 128..,
+// 128 rows x 128 bytes further (a multiple of the 1024-byte swizzle atom, so the descriptor's
+// start address just advances).
 template <int NC>
 __device__ __forceinline__ void wgmma_rs(float (&d)[NC / 8][4], const u32 a[4], u64 desc_b) {
-    if constexpr (NC == 128) wgmma_m64n128k16_rs(d, a, desc_b);
+    if constexpr (NC > 128) {
+        wgmma_m64n128k16_rs(*reinterpret_cast<float(*)[16][4]>(&d[0][0]), a, desc_b);
+        wgmma_rs<NC - 128>(*reinterpret_cast<float(*)[NC / 8 - 16][4]>(&d[16][0]), a, desc_b + ((128 * 128) >> 4));
+    } else if constexpr (NC == 128) wgmma_m64n128k16_rs(d, a, desc_b);
     else if constexpr (NC == 64) wgmma_m64n64k16_rs(d, a, desc_b);
     else if constexpr (NC == 32) wgmma_m64n32k16_rs(d, a, desc_b);
     else wgmma_m64n16k16_rs(d, a, desc_b);
@@ -288,13 +316,120 @@ __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile) {
 
 __device__ __forceinline__ u32 word_of(uint4 v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
-// Global row group of ring slot `slot` (= 8·h + w) of block row tile `bx`; false past the matrix.
-template <bool GATED>
+// Global row group of ring slot `slot` (= HS·h + w, HS = SLOTS / 2) of block row tile `bx`;
+// false past the matrix.
+template <bool GATED, int SLOTS>
 __device__ __forceinline__ bool slot_row_group(const GemmParams& p, int slot, int bx, int* rg) {
-    int h = slot >> 3, w = slot & 7;
-    int out = GATED ? bx * 8 + w : bx * 16 + (w >> 2) * 8 + h * 4 + (w & 3);
+    constexpr int HS = SLOTS / 2;
+    int h = slot / HS, w = slot % HS;
+    int out = GATED ? bx * HS + w : bx * SLOTS + (w >> 2) * 8 + h * 4 + (w & 3);
     *rg = (GATED && h == 1) ? out + p.rg_out : out;
     return out < p.rg_out;
+}
+
+// Local row (0 .. 16·SLOTS − 1) of ring slot `slot`'s first row in the block's output order:
+// gated, the gate rows of g row group bx·HS + w at 16·w, its up rows 8·SLOTS further;
+// non-gated, 16·(the slot's row group − bx·SLOTS). (The inverse of slot_row_group's placement.)
+template <bool GATED, int SLOTS>
+__device__ __forceinline__ int slot_local_row(int slot) {
+    constexpr int HS = SLOTS / 2;
+    int h = slot / HS, w = slot % HS;
+    return GATED ? h * HS * 16 + w * 16 : ((w >> 2) * 8 + h * 4 + (w & 3)) * 16;
+}
+
+// Epilogue of one tile, staged through the idle ring: each warp writes its accumulators there
+// as f32 [token][local row] (token stride 16·SLOTS + 4 floats: lanes of different q land 8 banks apart,
+// so the writes are conflict-free), then every thread takes items of 8 consecutive output rows
+// of one token: GEMM1 applies alpha, the activation (gated: gate rows at local row r, up rows
+// at r + 8·SLOTS) and the W4A4 QDQ (a 16-row block is the item and its neighbour lane), and stores
+// 16 bytes of bf16; GEMM2 scales by alpha · router weight and stores 32 bytes of f32. The
+// unrolled register epilogue this replaces was ~10k instructions of straight-line code (the
+// activation's expf / tanhf inlined per value): under ncu a quarter of GEMM1's warp samples,
+// mostly instruction-fetch stalls (KERNEL_NOTES run 43). Same arithmetic per value, so the
+// same bits. Tokens go in passes of PS column tiles when the ring cannot hold the whole tile.
+template <bool GATED, int STAGE, int NC, int SLOTS, int HALVES>
+__device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const float (&acc)[HALVES][NC / 8][4],
+                                                 unsigned char* ring, int e, int base, int n_e, int t0, int nvalid) {
+    constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
+    constexpr int EP_TS = SLOTS * 16 + 4;  // local rows + 4 floats of padding per token
+    constexpr int RING_BYTES = PF_STAGES * pf_stage_bytes(NC, SLOTS);  // at most the ring: NC <= NT
+    constexpr int PS = NSUB * 8 * EP_TS * 4 <= RING_BYTES ? NSUB : NSUB / 2;
+    static_assert(PS * 8 * EP_TS * 4 <= RING_BYTES && NSUB % PS == 0, "epilogue staging exceeds the ring");
+    // Items per token: 8 output rows each (gated: 8·SLOTS g rows; else 16·SLOTS rows).
+    constexpr int IPT = GATED && STAGE == 1 ? SLOTS : 2 * SLOTS;
+    constexpr int UP = SLOTS * 8;  // gated: the up rows' local offset
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    float* st = reinterpret_cast<float*>(ring);
+    const int nsub_valid = (nvalid + 7) / 8;
+    const int rg0 = blockIdx.x * (GATED && STAGE == 1 ? SLOTS / 2 : SLOTS);  // the block's first output row group
+    const float alpha = p.wscale2[e * p.shards] * p.act_alpha * NVFP4_DEQ_UNSCALE;
+    const float alpha_u = GATED && STAGE == 1 ? p.wscale2[e * p.shards + 1] * p.act_alpha * NVFP4_DEQ_UNSCALE : 0.0f;
+#pragma unroll
+    for (int ps = 0; ps < NSUB / PS; ps++) {
+        if (ps * PS >= nsub_valid) break;  // block-uniform
+        if (ps > 0) __syncthreads();  // the previous pass has read the staging area
+#pragma unroll
+        for (int h = 0; h < HALVES; h++) {
+            float* dst = st + slot_local_row<GATED && STAGE == 1, SLOTS>(warp + WARPS * h) + g;
+#pragma unroll
+            for (int s = 0; s < PS; s++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    dst[(8 * s + 2 * q + (c & 1)) * EP_TS + 8 * (c >> 1)] = acc[h][ps * PS + s][c];
+        }
+        __syncthreads();
+        // Every lane of a warp runs the same iterations (items are a multiple of 32), so the
+        // QDQ's shuffle needs no mask arithmetic.
+#pragma unroll 1
+        for (int it = tid; it < PS * 8 * IPT; it += THREADS) {
+            const int t = it / IPT, row = (it % IPT) * 8, lt = t0 + ps * PS * 8 + t;
+            const bool ok = lt < n_e && rg0 + row / 16 < p.rg_out;
+            const float* src = st + t * EP_TS + row;
+            float v[8];
+            *reinterpret_cast<float4*>(v) = *reinterpret_cast<const float4*>(src);
+            *reinterpret_cast<float4*>(v + 4) = *reinterpret_cast<const float4*>(src + 4);
+            if (STAGE == 2) {
+                if (!ok) continue;
+                const int pair = p.sorted[base + lt];
+                const float w = p.topk_w[pair] * alpha;
+#pragma unroll
+                for (int i = 0; i < 8; i++) v[i] *= w;
+                float4* out = reinterpret_cast<float4*>(p.o_out + (size_t)pair * p.out_stride + rg0 * 16 + row);
+                out[0] = *reinterpret_cast<const float4*>(v);
+                out[1] = *reinterpret_cast<const float4*>(v + 4);
+                continue;
+            }
+            float u[8] = {};
+            if (GATED) {
+                *reinterpret_cast<float4*>(u) = *reinterpret_cast<const float4*>(src + UP);
+                *reinterpret_cast<float4*>(u + 4) = *reinterpret_cast<const float4*>(src + UP + 4);
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = apply_activation(p.activation, v[i] * alpha, GATED ? u[i] * alpha_u : 0.0f);
+            if (p.gs_out > 0.0f) {
+                float vmax = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) vmax = fmaxf(vmax, fabsf(v[i]));
+                vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 1));  // the other 8 rows of the block
+                u8 sb;
+                const float sf = nvfp4_block_scale(vmax, p.gs_out, &sb);
+                const float os = nvfp4_out_scale(sf, p.gs_out);
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const u32 c = nvfp4_code(v[i], os);
+                    v[i] = (c & 7) ? e2m1_value(c) * sf : 0.0f;
+                }
+            }
+            if (ok) {
+                uint4 o;
+                o.x = bf16x2_bits(__floats2bfloat162_rn(v[0], v[1]));
+                o.y = bf16x2_bits(__floats2bfloat162_rn(v[2], v[3]));
+                o.z = bf16x2_bits(__floats2bfloat162_rn(v[4], v[5]));
+                o.w = bf16x2_bits(__floats2bfloat162_rn(v[6], v[7]));
+                *reinterpret_cast<uint4*>(p.g_out + (size_t)(base + lt) * p.out_stride + rg0 * 16 + row) = o;
+            }
+        }
+    }
 }
 
 // One tile of NC (16, 32, 64 or 128; at most NT) token columns: the k loop and the epilogue.
@@ -302,12 +437,12 @@ __device__ __forceinline__ bool slot_row_group(const GemmParams& p, int slot, in
 // gathered by every thread's cp.async through `srow`; 1: two TMA boxes from `tm` (the rows in
 // sorted order, 128-byte swizzle), completing on `bars`; 2: as 1, the box of each CTA of a
 // 2-CTA cluster multicast to both (each L2 read feeds two SMs).
-template <bool GATED, int STAGE, int NC, int NT, int HALVES, int TMA>
+template <bool GATED, int STAGE, int NC, int NT, int SLOTS, int HALVES, int TMA>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring, int e, int base,
                                              int n_e, int t0, int nvalid, const TmaMap* tm, u64* bars) {
-    constexpr int NSUB = NC / 8, WARPS = 16 / HALVES, THREADS = 32 * WARPS;
+    constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
     constexpr int STAGES = PF_STAGES, AHEAD = STAGES - 2;
-    constexpr int B_BYTES = NT * 128, STAGE_BYTES = B_BYTES + PF_W_BYTES + PF_S_BYTES;
+    constexpr int B_BYTES = NT * 128, W_BYTES = SLOTS * 512, STAGE_BYTES = pf_stage_bytes(NT, SLOTS);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
     const u8* wdata_e = p.wdata + (size_t)e * p.rg_w * p.kg * 512;
     const u8* wscales_e = p.wscales + (size_t)e * p.rg_w * p.kg * 64;
@@ -317,7 +452,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     // cursor resolved once here and advanced by a fixed step per chunk (chunks are staged in
     // order): a chunk costs a few adds, no branches and a cp.async per piece.
     constexpr int A_PIECES = TMA ? 0 : NC * 8, A_COPIES = (A_PIECES + THREADS - 1) / THREADS;
-    constexpr int W_PIECES = 16 * 36;
+    constexpr int W_PIECES = SLOTS * 36;
     constexpr int W_COPIES = (W_PIECES + THREADS - 1) / THREADS;
     const __nv_bfloat16* a_cur[A_COPIES > 0 ? A_COPIES : 1];
     int a_left[A_COPIES > 0 ? A_COPIES : 1];  // valid k from the piece's column on; <= 0: zero-fill
@@ -333,14 +468,14 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 #pragma unroll
     for (int r = 0; r < W_COPIES; r++) {
         int i = tid + r * THREADS, slot = i / 36, piece = i % 36, rg = 0;
-        bool ok = i < W_PIECES && slot_row_group<GATED>(p, slot, blockIdx.x, &rg);
+        bool ok = i < W_PIECES && slot_row_group<GATED, SLOTS>(p, slot, blockIdx.x, &rg);
         if (piece < 32) {
             w_cur[r] = ok ? wdata_e + (size_t)rg * p.kg * 512 + piece * 16 : p.wdata;
             w_dst[r] = B_BYTES + slot * 512 + piece * 16;
             w_step[r] = ok ? 512 : 0;
         } else {
             w_cur[r] = ok ? wscales_e + (size_t)rg * p.kg * 64 + (piece - 32) * 16 : p.wdata;
-            w_dst[r] = B_BYTES + PF_W_BYTES + slot * 64 + (piece - 32) * 16;
+            w_dst[r] = B_BYTES + W_BYTES + slot * 64 + (piece - 32) * 16;
             w_step[r] = ok ? 64 : 0;
         }
     }
@@ -363,22 +498,25 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         }
 #if PF_WGMMA
         if (TMA && tid == 0) {
-            // Chunk c's activation rows base + t0 .. + NT - 1 (zero past K, and past the map's
-            // rows; rows of the next expert are computed into columns nobody stores).
+            // Chunk c's activation rows base + t0 .. + NC - 1 (multicast: + NT - 1, half from
+            // each CTA; zero past K, and past the map's rows; rows of the next expert are
+            // computed into columns nobody stores).
             u64* full = bars + c % STAGES;
-            mbar_expect_tx(full, NT * 128);
             if constexpr (TMA == 2) {
+                mbar_expect_tx(full, NT * 128);
                 const u32 r = cluster_rank();
                 tma_load_box<true>(dst + r * 64 * 128, tm, c * 64, base + t0 + 64 * r, full);
             } else {
+                static_assert(TMA == 0 || NC % 64 == 0, "TMA tiles load whole 64-row boxes");
+                mbar_expect_tx(full, NC * 128);
 #pragma unroll
-                for (int r = 0; r < NT / 64; r++) tma_load_box<false>(dst + r * 64 * 128, tm, c * 64, base + t0 + 64 * r, full);
+                for (int r = 0; r < NC / 64; r++) tma_load_box<false>(dst + r * 64 * 128, tm, c * 64, base + t0 + 64 * r, full);
             }
         }
 #endif
     };
 
-    // Slot of half h: warp + 8·h (HALVES = 2) or warp (HALVES = 1).
+    // Slot of half h: warp + WARPS·h.
     float acc[HALVES][NSUB][4];
 #pragma unroll
     for (int h = 0; h < HALVES; h++)
@@ -407,7 +545,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         cp_async_wait<AHEAD - 1>();  // chunk c has landed
 #if PF_WGMMA
         fence_proxy_async();
-        if (TMA) mbar_wait(bars + c % STAGES, (c / STAGES) & 1);
+        if (TMA) mbar_wait<TMA == 2>(bars + c % STAGES, (c / STAGES) & 1);
 #endif
         __syncthreads();
         const int cn = c + AHEAD;
@@ -417,7 +555,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
             // above); the other CTA, whose multicast writes here too, has retired it once all
             // its warps have said so (phase u - 1 of the empty barrier for the stage's u-th
             // refill), at the top of their chunk c.
-            mbar_wait(bars + STAGES + cn % STAGES, (cn / STAGES - 1) & 1);
+            mbar_wait<true>(bars + STAGES + cn % STAGES, (cn / STAGES - 1) & 1);
         }
         __syncwarp();
 #endif
@@ -428,9 +566,9 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         uint2 sb[HALVES];  // scale codes of rows g (x) and g + 8 (y) of each slot, k blocks 0..3
 #pragma unroll
         for (int h = 0; h < HALVES; h++) {
-            const int slot = warp + 8 * h;
+            const int slot = warp + WARPS * h;
             d[h] = *reinterpret_cast<const uint4*>(stage + B_BYTES + slot * 512 + lane * 16);
-            sb[h] = *reinterpret_cast<const uint2*>(stage + B_BYTES + PF_W_BYTES + slot * 64 + g * 8);
+            sb[h] = *reinterpret_cast<const uint2*>(stage + B_BYTES + W_BYTES + slot * 64 + g * 8);
         }
 #pragma unroll
         for (int j = 0; j < 4; j++) {
@@ -456,59 +594,20 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     for (int h = 0; h < HALVES; h++) fence_acc(acc[h]);
 #endif
 
-    const int nsub_valid = (nvalid + 7) / 8;
-    if (HALVES == 1 && STAGE == 1 && GATED) {
-        // The up warps (slots 8..15) hand their accumulators to the gate warps of the same g
-        // rows through the idle ring, lane-major so both sides are conflict-free.
-        float* xfer = reinterpret_cast<float*>(ring);
-        __syncthreads();  // every warp is done reading the ring
-        if (warp >= 8) {
-#pragma unroll
-            for (int s = 0; s < NSUB; s++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) xfer[(((warp - 8) * NSUB + s) * 4 + c) * 32 + lane] = acc[0][s][c];
-        }
-        __syncthreads();
-        int r0;
-        if (warp < 8 && slot_row_group<true>(p, warp, blockIdx.x, &r0)) {
-            // Four column tiles at a time: a whole second accumulator set would spill.
-            constexpr int SB = NSUB < 4 ? NSUB : 4;
-#pragma unroll
-            for (int b = 0; b < NSUB / SB; b++) {
-                float up[SB][4];
-#pragma unroll
-                for (int s = 0; s < SB; s++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++) up[s][c] = xfer[((warp * NSUB + b * SB + s) * 4 + c) * 32 + lane];
-                const float(&gate)[SB][4] = *reinterpret_cast<const float(*)[SB][4]>(&acc[0][b * SB][0]);
-                store_gemm1<SB, true>(p, gate, up, e, base, n_e, t0 + 8 * SB * b, r0, nsub_valid - SB * b,
-                                      NVFP4_DEQ_UNSCALE);
-            }
-        }
-        return;
-    }
-#pragma unroll
-    for (int h = 0; h < HALVES; h++) {
-        int r;
-        const int slot = warp + 8 * h;
-        if (!slot_row_group<GATED>(p, slot, blockIdx.x, &r)) continue;
-        if (STAGE == 1) {
-            // Gated with two halves: half 0 holds the gate rows, half 1 the up rows.
-            if (!GATED) store_gemm1<NSUB, false>(p, acc[h], acc[h], e, base, n_e, t0, r, nsub_valid, NVFP4_DEQ_UNSCALE);
-            else if (h == 0) store_gemm1<NSUB, true>(p, acc[0], acc[HALVES - 1], e, base, n_e, t0, r, nsub_valid, NVFP4_DEQ_UNSCALE);
-        } else {
-            store_gemm2<NSUB>(p, acc[h], e, base, n_e, t0, r, nsub_valid, NVFP4_DEQ_UNSCALE);
-        }
-    }
+    __syncthreads();  // every warp is done with the ring: the epilogue stages through it
+    prefill_epilogue<GATED, STAGE, NC, SLOTS, HALVES>(p, acc, ring, e, base, n_e, t0, nvalid);
 }
 
-// NT-token tiles (PF_NT or PF_NT_SMALL): the tile's rows, then the narrowest column count that
-// holds its tokens (NT or NT / 2).
-template <bool GATED, int STAGE, int NT, int HALVES, int TMA>
+// NT-token tiles (PF_NT_SMALL, PF_NT or PF_NT_WIDE) over SLOTS 16-row slots: the tile's rows,
+// then the narrowest column count that holds its tokens (NT or NT / 2; wide tiles also 192 and
+// 64).
+template <bool GATED, int STAGE, int NT, int SLOTS, int HALVES, int TMA>
 __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* tm) {
+    static_assert(TMA || NT <= PF_NT, "the row table holds PF_NT rows; wide tiles are TMA-fed");
+    constexpr int THREADS = 32 * SLOTS / HALVES;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     int* srow = reinterpret_cast<int*>(smem_raw);  // activation row of each tile column, -1: none
-    int* tile = srow + NT;
+    int* tile = srow + PF_NT;
     u64* bars = reinterpret_cast<u64*>(smem_raw + PF_BARS_OFFSET);
     unsigned char* ring = smem_raw + PF_RING_OFFSET;
 
@@ -524,8 +623,8 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
 #if PF_WGMMA
         if (tid == 0) {
             for (int s = 0; s < PF_STAGES; s++) {
-                mbar_init(bars + s, 1);               // full: this CTA's expect_tx + the bytes
-                mbar_init(bars + PF_STAGES + s, 512 / 32 / HALVES);  // empty: the other CTA's warps
+                mbar_init(bars + s, 1);                          // full: this CTA's expect_tx + the bytes
+                mbar_init(bars + PF_STAGES + s, THREADS / 32);  // empty: the other CTA's warps
             }
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
@@ -536,14 +635,21 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
         __trap();  // the host launches TMA kernels on sm_90a only
 #endif
     } else {
-        for (int i = tid; i < NT; i += 512 / HALVES)
+        for (int i = tid; i < NT; i += THREADS)
             srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
         __syncthreads();
     }
-    if (nvalid > NT / 2)
-        prefill_tile<GATED, STAGE, NT, NT, HALVES, TMA>(p, srow, ring, e, base, n_e, t0, nvalid, tm, bars);
-    else
-        prefill_tile<GATED, STAGE, NT / 2, NT, HALVES, TMA>(p, srow, ring, e, base, n_e, t0, nvalid, tm, bars);
+#define PF_TILE(NC) prefill_tile<GATED, STAGE, NC, NT, SLOTS, HALVES, TMA>(p, srow, ring, e, base, n_e, t0, nvalid, tm, bars)
+    if constexpr (NT == PF_NT_WIDE) {
+        if (nvalid > 192) PF_TILE(256);
+        else if (nvalid > 128) PF_TILE(192);
+        else if (nvalid > 64) PF_TILE(128);
+        else PF_TILE(64);
+    } else {
+        if (nvalid > NT / 2) PF_TILE(NT);
+        else PF_TILE(NT / 2);
+    }
+#undef PF_TILE
 #if PF_WGMMA
     // Neither CTA leaves while the other may still write its shared memory or barriers.
     if (TMA == 2) cluster_sync();
@@ -556,7 +662,7 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(const GemmParams p) { \
         pdl_wait();                                                                               \
         pdl_launch_dependents();                                                                  \
-        prefill_body<GATED, STAGE, NT, 512 / THREADS, 0>(p, nullptr);                             \
+        prefill_body<GATED, STAGE, NT, 16, 512 / THREADS, 0>(p, nullptr);                         \
     }
 PREFILL(prefill_gemm1_gated, true, 1, PF_NT, PF_THREADS, 1)
 PREFILL(prefill_gemm1_plain, false, 1, PF_NT, PF_THREADS, 1)
@@ -574,7 +680,7 @@ PREFILL(prefill_small_gemm2, false, 2, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_B
         NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
         pdl_wait();                                                                                  \
         pdl_launch_dependents();                                                                     \
-        prefill_body<GATED, STAGE, PF_NT, 1, CLUSTER>(p, &tm);                                       \
+        prefill_body<GATED, STAGE, PF_NT, 16, 1, CLUSTER>(p, &tm);                                   \
     }
 PREFILL_TMA(prefill_tma1_gemm1_gated, true, 1, 1)
 PREFILL_TMA(prefill_tma1_gemm1_plain, false, 1, 1)
@@ -582,3 +688,17 @@ PREFILL_TMA(prefill_tma1_gemm2, false, 2, 1)
 PREFILL_TMA(prefill_tma2_gemm1_gated, true, 1, 2)
 PREFILL_TMA(prefill_tma2_gemm1_plain, false, 1, 2)
 PREFILL_TMA(prefill_tma2_gemm2, false, 2, 2)
+// Wide tiles (KERNEL_NOTES run 44): 256 tokens x 8 slots (128 weight rows; gated, 64 g rows)
+// per block, 8 warps of one slot each, TMA-fed. Each converted A fragment feeds 256 token
+// columns (two m64n128k16 per 16 k) instead of 128: half the conversion per MAC of the
+// 128-token tiles, for twice the activation bytes per weight row.
+#define PREFILL_WIDE(NAME, GATED, STAGE)                                                              \
+    extern "C" __global__ void __launch_bounds__(PF_THREADS_WIDE, 1)                                 \
+        NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
+        pdl_wait();                                                                                  \
+        pdl_launch_dependents();                                                                     \
+        prefill_body<GATED, STAGE, PF_NT_WIDE, PF_THREADS_WIDE / 32, 1, 1>(p, &tm);                  \
+    }
+PREFILL_WIDE(prefill_wide_gemm1_gated, true, 1)
+PREFILL_WIDE(prefill_wide_gemm1_plain, false, 1)
+PREFILL_WIDE(prefill_wide_gemm2, false, 2)

@@ -7,7 +7,9 @@
 mod common;
 
 use fp4moe::calibration::calibrate_with_router;
-use fp4moe::cuda::{CudaLayer, CudaWorkspace, DecodeKernel, GemmPath, PrefillFeed, RoutePath};
+use fp4moe::cuda::{
+    CudaLayer, CudaWorkspace, DecodeKernel, GemmPath, PrefillFeed, PrefillTile, RoutePath,
+};
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
 use fp4moe::routing::router_logits;
@@ -229,6 +231,22 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
         assert!(same_bits(&out, &fed), "prefill feed {feed:?} differs");
     }
     layer.set_prefill_feed(None);
+    // Every token tile of the prefill kernels, forced (on sm_90a the 256-token tiles run every
+    // column width, 64 to 256; elsewhere, or where K rules out the TMA feed, they fall back to
+    // 128-token tiles). They sum each output over the same k order with the same MMA
+    // instruction per 128 columns, and gave the same bits in every case of run 44.
+    let mut tiles = Vec::new();
+    for tile in [PrefillTile::Small, PrefillTile::Large, PrefillTile::Wide] {
+        layer.set_prefill_tile(Some(tile));
+        let (tiled, _) = run_device(&layer, &x, &logits);
+        let d = relative_l2(&tiled, &out);
+        assert!(
+            same_bits(&tiled, &out),
+            "prefill tile {tile:?} differs from the default: relative difference {d:e}"
+        );
+        tiles.push(format!("{tile:?}"));
+    }
+    layer.set_prefill_tile(None);
     layer.set_gemm_path(Some(GemmPath::Decode));
     let (dec, dec_ids) = run_device(&layer, &x, &logits);
     assert_eq!(ids, dec_ids);
@@ -236,12 +254,13 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
 
     let err = sample_error(&spec, w, &x, &logits, &out, 10);
     println!(
-        "prefill {} {} H{h} I{} E{e} k{} T{tokens}{}: rel err {err:.3e} vs reference, {vs_decode:.3e} vs decode",
+        "prefill {} {} H{h} I{} E{e} k{} T{tokens}{}: rel err {err:.3e} vs reference, {vs_decode:.3e} vs decode; tiles {} bitwise equal",
         spec.activation,
         spec.quant,
         spec.shape.intermediate,
         spec.routing.top_k,
-        if skew { " skewed" } else { "" }
+        if skew { " skewed" } else { "" },
+        tiles.join("/")
     );
     assert_near_reference(err, "");
     assert!(

@@ -113,6 +113,9 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "prefill_tma2_gemm1_gated",
             "prefill_tma2_gemm1_plain",
             "prefill_tma2_gemm2",
+            "prefill_wide_gemm1_gated",
+            "prefill_wide_gemm1_plain",
+            "prefill_wide_gemm2",
         ],
         _ => &[],
     };
@@ -454,7 +457,10 @@ mod tests {
                 assert!(src.contains(base), "{file} lacks {n}");
             }
             if file == "prefill_gemm.cu" {
-                let n = src.matches("\nPREFILL(").count() + src.matches("\nPREFILL_TMA(").count();
+                let n = ["\nPREFILL(", "\nPREFILL_TMA(", "\nPREFILL_WIDE("]
+                    .iter()
+                    .map(|m| src.matches(m).count())
+                    .sum::<usize>();
                 assert_eq!(n, names.len(), "{file}");
             } else if file == "expert_stream.cu" {
                 let n = src.matches("\nSTREAM(").count();
@@ -486,29 +492,40 @@ mod tests {
     #[test]
     fn prefill_shared_memory_matches_the_kernel() {
         // PREFILL_SMEM (host) from the kernel's own constants.
+        use super::super::PrefillTile;
         let define = |name: &str| kernel_define("prefill_gemm.cu", name);
         let (stages, ring) = (define("PF_STAGES"), define("PF_RING_OFFSET"));
-        for (tile, nt, threads) in [
+        for (tile, nt, threads, slots) in [
             (
-                super::super::PrefillTile::Large,
+                PrefillTile::Large,
                 define("PF_NT"),
                 define("PF_THREADS"),
+                16,
             ),
             (
-                super::super::PrefillTile::Small,
+                PrefillTile::Small,
                 define("PF_NT_SMALL"),
                 define("PF_THREADS_SMALL"),
+                16,
+            ),
+            (
+                PrefillTile::Wide,
+                define("PF_NT_WIDE"),
+                define("PF_THREADS_WIDE"),
+                define("PF_THREADS_WIDE") / 32,
             ),
         ] {
             assert_eq!(tile.tokens(), nt);
             assert_eq!(tile.threads(), threads, "{tile:?}");
-            let stage = nt * 128 + 16 * 512 + 16 * 64;
+            assert_eq!(tile.slots(), slots, "{tile:?}");
+            // pf_stage_bytes: rounded up to the 1024-byte swizzle atom.
+            let stage = (nt * 128 + slots * (512 + 64)).div_ceil(1024) * 1024;
             assert_eq!(tile.shared_bytes(), ring + stages * stage, "{tile:?}");
-            // The row table and the tile fit below the ring.
-            assert!(4 * (nt + 2) <= ring);
         }
+        // The row table (cp.async tiles only) and the tile fit below the ring.
+        assert!(4 * (define("PF_NT") + 2) <= ring);
         assert_eq!(
-            super::super::PrefillTile::Small.blocks_per_sm(),
+            PrefillTile::Small.blocks_per_sm(),
             define("PF_SMALL_BLOCKS")
         );
     }

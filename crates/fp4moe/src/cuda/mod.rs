@@ -475,6 +475,7 @@ pub struct CudaLayer {
     route_path: Option<RoutePath>,
     decode_kernel: Option<DecodeKernel>,
     prefill_feed: Option<PrefillFeed>,
+    prefill_tile: Option<PrefillTile>,
     stream_units: Option<usize>,
     /// Forwards stop after this many of [`STAGES`] (timing diagnostics).
     stage_limit: Option<usize>,
@@ -692,57 +693,111 @@ pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
 /// tiles are faster at 24, slower at 48; run 15).
 pub const PREFILL_LARGE_TILE_FROM: usize = 32;
 
+/// Mean tokens per expert from which the prefill path uses 256-token tiles where they apply
+/// (sm_90a, TMA feed, K from [`PREFILL_WIDE_MIN_K`]; docs/KERNEL_NOTES.md run 44: faster than
+/// 128-token tiles at 192 tokens per expert, slower at 48 and 96).
+pub const PREFILL_WIDE_TILE_FROM: usize = 128;
+
+/// Smallest K (the GEMM's reduction length) for which the default picks 256-token tiles
+/// (run 45: Qwen3's GEMM2, K = 768, 12 % slower with them; K = 1856–2688 3–9 % faster, K = 2048
+/// level to 5 % faster). A wide block has half the warps of a 128-token one for the same
+/// per-block fill and epilogue, which a short k loop does not amortize.
+pub const PREFILL_WIDE_MIN_K: usize = 1024;
+
 /// Token-tile size of the prefill kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillTile {
-    /// `prefill_small_*`: 32-token tiles, two blocks per SM streaming the weights.
+    /// `prefill_small_*`: 32-token tiles over 256 weight rows, two blocks per SM streaming the
+    /// weights.
     Small,
-    /// `prefill_gemm*`: 128-token tiles, one block per SM.
+    /// `prefill_gemm*` / `prefill_tma*`: 128-token tiles over 256 weight rows, one block per SM.
     Large,
+    /// `prefill_wide_*`: 256-token tiles over 128 weight rows, one block of 8 warps per SM; each
+    /// converted weight fragment feeds 256 token columns. TMA-fed only (sm_90a): where the TMA
+    /// feed does not apply, [`PrefillTile::Large`] runs instead.
+    Wide,
 }
 
 impl PrefillTile {
     /// `FP4MOE_PREFILL_TILE=32|128`, a benchmark knob.
     fn from_env() -> Option<Self> {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
-        let choices = [("32", PrefillTile::Small), ("128", PrefillTile::Large)];
+        let choices = [
+            ("32", PrefillTile::Small),
+            ("128", PrefillTile::Large),
+            ("256", PrefillTile::Wide),
+        ];
         tuning_choice(&KNOB, "FP4MOE_PREFILL_TILE", &choices)
     }
 
-    /// The tile for `pairs` pairs over `experts` experts: `forced` when given, else 128-token
-    /// tiles from [`PREFILL_LARGE_TILE_FROM`] mean tokens per expert; 32-token tiles whenever
-    /// the device lacks the large tiles' shared memory (sm_86/89's 99 KB).
+    /// The tile for `pairs` pairs over `experts` experts: `forced` when given, else 256-token
+    /// tiles from [`PREFILL_WIDE_TILE_FROM`] mean tokens per expert, 128-token tiles from
+    /// [`PREFILL_LARGE_TILE_FROM`]; the next smaller tile whenever the device lacks a tile's
+    /// shared memory (sm_86/89's 99 KB hold only the 32-token tiles, A100's 163 KB the
+    /// 128-token ones). Wide tiles also need the TMA feed: [`PrefillTile::for_feed`].
     pub fn choose(
         pairs: usize,
         experts: usize,
         max_shared_bytes: usize,
         forced: Option<Self>,
     ) -> Self {
-        let wanted = forced.unwrap_or(if pairs / experts.max(1) >= PREFILL_LARGE_TILE_FROM {
+        let per_expert = pairs / experts.max(1);
+        let wanted = forced.unwrap_or(if per_expert >= PREFILL_WIDE_TILE_FROM {
+            PrefillTile::Wide
+        } else if per_expert >= PREFILL_LARGE_TILE_FROM {
             PrefillTile::Large
         } else {
             PrefillTile::Small
         });
-        if wanted.shared_bytes() <= max_shared_bytes {
-            wanted
+        [wanted, PrefillTile::Large, PrefillTile::Small]
+            .into_iter()
+            .find(|t| t.tokens() <= wanted.tokens() && t.shared_bytes() <= max_shared_bytes)
+            .unwrap_or(PrefillTile::Small)
+    }
+
+    /// This tile, or the 128-token one for a GEMM of reduction length `k` below
+    /// [`PREFILL_WIDE_MIN_K`] (the default rule; a forced tile skips it).
+    pub fn for_k(self, k: usize) -> Self {
+        if self == PrefillTile::Wide && k < PREFILL_WIDE_MIN_K {
+            PrefillTile::Large
         } else {
-            PrefillTile::Small
+            self
         }
     }
 
-    /// Tokens per tile (`PF_NT`, `PF_NT_SMALL`).
+    /// This tile, or the 128-token one where a wide tile would need the TMA feed and `feed`
+    /// is cp.async.
+    pub fn for_feed(self, feed: PrefillFeed) -> Self {
+        if self == PrefillTile::Wide && feed == PrefillFeed::CpAsync {
+            PrefillTile::Large
+        } else {
+            self
+        }
+    }
+
+    /// Tokens per tile (`PF_NT`, `PF_NT_SMALL`, `PF_NT_WIDE`).
     pub const fn tokens(self) -> usize {
         match self {
             PrefillTile::Small => 32,
             PrefillTile::Large => 128,
+            PrefillTile::Wide => 256,
         }
     }
 
-    /// Threads per block (`PF_THREADS`, `PF_THREADS_SMALL`): 16 warps of one 16-row slot each
-    /// for the large tiles, 8 warps of two slots for the small ones (two blocks per SM).
+    /// 16-row weight slots per block: 16 (256 rows), 8 for the wide tiles.
+    pub const fn slots(self) -> usize {
+        match self {
+            PrefillTile::Small | PrefillTile::Large => 16,
+            PrefillTile::Wide => 8,
+        }
+    }
+
+    /// Threads per block (`PF_THREADS`, `PF_THREADS_SMALL`, `PF_THREADS_WIDE`): 16 warps of one
+    /// 16-row slot each for the large tiles, 8 warps of two slots for the small ones (two
+    /// blocks per SM), 8 warps of one slot for the wide ones.
     pub const fn threads(self) -> usize {
         match self {
-            PrefillTile::Small => 256,
+            PrefillTile::Small | PrefillTile::Wide => 256,
             PrefillTile::Large => 512,
         }
     }
@@ -751,39 +806,53 @@ impl PrefillTile {
     pub const fn blocks_per_sm(self) -> usize {
         match self {
             PrefillTile::Small => 2,
-            PrefillTile::Large => 1,
+            PrefillTile::Large | PrefillTile::Wide => 1,
         }
     }
 
-    /// Dynamic shared memory of a block: 1 KB of row table, then 5 ring stages of the tile's
-    /// activations (128 bytes per token) and 9 KB of weights.
+    /// Dynamic shared memory of a block: 1 KB of row table and barriers, then 5 ring stages of
+    /// the tile's activations (128 bytes per token) and the slots' weights (576 bytes each),
+    /// rounded up to 1 KB (`pf_stage_bytes`).
     pub const fn shared_bytes(self) -> usize {
-        1024 + 5 * (self.tokens() * 128 + 16 * 512 + 16 * 64)
+        1024 + 5 * (self.tokens() * 128 + self.slots() * 576).div_ceil(1024) * 1024
     }
 
-    /// The kernel that runs `gemm` with this tile (static names: no allocation per launch).
+    /// Output row groups of a block: the slots, half of them for the gated GEMM1 (a g row
+    /// group takes a gate and an up slot).
+    fn row_groups(self, gemm: PrefillGemm) -> usize {
+        match gemm {
+            PrefillGemm::Gemm1Gated => self.slots() / 2,
+            PrefillGemm::Gemm1Plain | PrefillGemm::Gemm2 => self.slots(),
+        }
+    }
+
+    /// The cp.async-fed kernel that runs `gemm` with this tile (static names: no allocation per
+    /// launch); wide tiles have none (their callers go through [`PrefillTile::for_feed`]).
     fn kernel(self, gemm: PrefillGemm) -> &'static str {
         match (self, gemm) {
             (PrefillTile::Small, PrefillGemm::Gemm1Gated) => "prefill_small_gemm1_gated",
             (PrefillTile::Small, PrefillGemm::Gemm1Plain) => "prefill_small_gemm1_plain",
             (PrefillTile::Small, PrefillGemm::Gemm2) => "prefill_small_gemm2",
-            (PrefillTile::Large, PrefillGemm::Gemm1Gated) => "prefill_gemm1_gated",
-            (PrefillTile::Large, PrefillGemm::Gemm1Plain) => "prefill_gemm1_plain",
-            (PrefillTile::Large, PrefillGemm::Gemm2) => "prefill_gemm2",
+            (_, PrefillGemm::Gemm1Gated) => "prefill_gemm1_gated",
+            (_, PrefillGemm::Gemm1Plain) => "prefill_gemm1_plain",
+            (_, PrefillGemm::Gemm2) => "prefill_gemm2",
         }
     }
 }
 
 impl PrefillGemm {
-    /// The TMA-fed 128-token kernel of this GEMM for `feed` (not `CpAsync`).
-    fn tma_kernel(self, feed: PrefillFeed) -> &'static str {
-        match (feed, self) {
-            (PrefillFeed::TmaMulticast, PrefillGemm::Gemm1Gated) => "prefill_tma2_gemm1_gated",
-            (PrefillFeed::TmaMulticast, PrefillGemm::Gemm1Plain) => "prefill_tma2_gemm1_plain",
-            (PrefillFeed::TmaMulticast, PrefillGemm::Gemm2) => "prefill_tma2_gemm2",
-            (_, PrefillGemm::Gemm1Gated) => "prefill_tma1_gemm1_gated",
-            (_, PrefillGemm::Gemm1Plain) => "prefill_tma1_gemm1_plain",
-            (_, PrefillGemm::Gemm2) => "prefill_tma1_gemm2",
+    /// The TMA-fed kernel of this GEMM for `tile` and `feed` (not `CpAsync`).
+    fn tma_kernel(self, tile: PrefillTile, feed: PrefillFeed) -> &'static str {
+        match (tile, feed, self) {
+            (PrefillTile::Wide, _, PrefillGemm::Gemm1Gated) => "prefill_wide_gemm1_gated",
+            (PrefillTile::Wide, _, PrefillGemm::Gemm1Plain) => "prefill_wide_gemm1_plain",
+            (PrefillTile::Wide, _, PrefillGemm::Gemm2) => "prefill_wide_gemm2",
+            (_, PrefillFeed::TmaMulticast, PrefillGemm::Gemm1Gated) => "prefill_tma2_gemm1_gated",
+            (_, PrefillFeed::TmaMulticast, PrefillGemm::Gemm1Plain) => "prefill_tma2_gemm1_plain",
+            (_, PrefillFeed::TmaMulticast, PrefillGemm::Gemm2) => "prefill_tma2_gemm2",
+            (_, _, PrefillGemm::Gemm1Gated) => "prefill_tma1_gemm1_gated",
+            (_, _, PrefillGemm::Gemm1Plain) => "prefill_tma1_gemm1_plain",
+            (_, _, PrefillGemm::Gemm2) => "prefill_tma1_gemm2",
         }
     }
 }
@@ -813,9 +882,10 @@ impl PrefillFeed {
     }
 
     /// The feed for `tile` over an operand of `rows` rows of K = `k` bf16 and `row_tiles`
-    /// weight-row tiles on `arch`: TMA needs sm_90a, the 128-token tiles, a row stride that is
+    /// weight-row tiles on `arch`: TMA needs sm_90a, the 128- or 256-token tiles, a row stride that is
     /// a multiple of 16 bytes and an operand at least one box (64 × 64) large; multicast pairs
-    /// row tiles, so it needs an even count (an odd one would add a tile of zero rows). Every
+    /// row tiles, so it needs an even count (an odd one would add a tile of zero rows), and
+    /// runs on the 128-token tiles only. Every
     /// feed uses the tile's ring ([`PrefillTile::shared_bytes`]).
     pub fn choose(
         tile: PrefillTile,
@@ -825,11 +895,13 @@ impl PrefillFeed {
         arch: &str,
         forced: Option<Self>,
     ) -> Self {
-        if tile != PrefillTile::Large || arch != "sm_90a" || k % 8 != 0 || k < 64 || rows < 64 {
+        if tile == PrefillTile::Small || arch != "sm_90a" || k % 8 != 0 || k < 64 || rows < 64 {
             return PrefillFeed::CpAsync;
         }
         match forced.unwrap_or(PrefillFeed::Tma) {
-            PrefillFeed::TmaMulticast if row_tiles % 2 == 1 => PrefillFeed::Tma,
+            PrefillFeed::TmaMulticast if row_tiles % 2 == 1 || tile == PrefillTile::Wide => {
+                PrefillFeed::Tma
+            }
             feed => feed,
         }
     }
@@ -901,16 +973,6 @@ enum PrefillGemm {
     Gemm1Gated,
     Gemm1Plain,
     Gemm2,
-}
-
-impl PrefillGemm {
-    /// Output rows of a block: gated GEMM1 blocks hold 128 g rows (their gate and up rows).
-    fn rows_per_block(self) -> usize {
-        match self {
-            PrefillGemm::Gemm1Gated => 8,
-            PrefillGemm::Gemm1Plain | PrefillGemm::Gemm2 => 16,
-        }
-    }
 }
 
 /// Dynamic shared memory of the smallest prefill block; the prefill path needs it.
@@ -1102,6 +1164,7 @@ impl CudaLayer {
             route_path: None,
             decode_kernel: None,
             prefill_feed: None,
+            prefill_tile: None,
             stream_units: None,
             stage_limit: None,
         })
@@ -1134,6 +1197,13 @@ impl CudaLayer {
     /// TMA per GEMM where its row tiles do not pair up (an odd count).
     pub fn set_prefill_feed(&mut self, feed: Option<PrefillFeed>) {
         self.prefill_feed = feed;
+    }
+
+    /// Forces later forwards' prefill token tile (`None`: [`PrefillTile::choose`]'s default).
+    /// A tile the device lacks the shared memory for falls back to a smaller one, a wide tile
+    /// to the 128-token one where the TMA feed does not apply.
+    pub fn set_prefill_tile(&mut self, tile: Option<PrefillTile>) {
+        self.prefill_tile = tile;
     }
 
     /// Forces the row-group units per block of the streaming decode kernels (1, 2 or 4; `None`:
@@ -1598,7 +1668,6 @@ impl CudaLayer {
         pairs: usize,
         slots: usize,
     ) -> Result<()> {
-        let rows_per_block = gemm.rows_per_block();
         let tiles = pairs.div_ceil(tile.tokens()) + slots;
         if tiles > 65_535 {
             return Err(Error::Unsupported {
@@ -1609,8 +1678,8 @@ impl CudaLayer {
             });
         }
         let cluster = feed.cluster();
-        let row_tiles = rg_out.div_ceil(rows_per_block);
-        let name = gemm.tma_kernel(feed);
+        let row_tiles = rg_out.div_ceil(tile.row_groups(gemm));
+        let name = gemm.tma_kernel(tile, feed);
         if row_tiles % cluster as usize != 0 {
             return Err(Error::Cuda {
                 stage: "kernel launch",
@@ -1666,16 +1735,21 @@ impl CudaLayer {
         // Experts a one-token batch touches: top-k routed, the one shared expert.
         let one_token_slots = if routed { self.spec.routing.top_k } else { 1 };
         let (rg1, rg2) = (p1.rg_out as usize, p2.rg_out as usize);
-        let tile = PrefillTile::choose(
-            pairs,
-            slots,
-            self.dev.max_shared_bytes,
-            PrefillTile::from_env(),
-        );
+        let forced_tile = self.prefill_tile.or_else(PrefillTile::from_env);
+        let tile = PrefillTile::choose(pairs, slots, self.dev.max_shared_bytes, forced_tile);
+        // Per GEMM: the feed, and the tile it can run (wide tiles need the TMA feed).
         let feed = |k: i32, gemm: PrefillGemm, rg: usize| {
             let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
-            let row_tiles = rg.div_ceil(gemm.rows_per_block());
-            PrefillFeed::choose(tile, k as usize, pairs, row_tiles, &self.dev.arch, forced)
+            let choose = |tile: PrefillTile| {
+                let row_tiles = rg.div_ceil(tile.row_groups(gemm));
+                PrefillFeed::choose(tile, k as usize, pairs, row_tiles, &self.dev.arch, forced)
+            };
+            let tile = match forced_tile {
+                None => tile.for_k(k as usize),
+                Some(_) => tile,
+            };
+            let tile = tile.for_feed(choose(tile));
+            (tile, choose(tile))
         };
         if path == GemmPath::Prefill && w13.nvfp4 {
             let gemm = if gated {
@@ -1683,7 +1757,7 @@ impl CudaLayer {
             } else {
                 PrefillGemm::Gemm1Plain
             };
-            let feed1 = feed(p1.k, gemm, rg1);
+            let (tile1, feed1) = feed(p1.k, gemm, rg1);
             // The routed operand's rows in sorted order; the shared expert's already are.
             let mut rows = SortedRows {
                 ptr: p1.act,
@@ -1694,7 +1768,7 @@ impl CudaLayer {
                 self.gather_rows(p1, dst, pairs)?;
                 rows.ptr = dst;
             }
-            self.prefill_gemm(gemm, tile, feed1, rows, p1, rg1, pairs, slots)?;
+            self.prefill_gemm(gemm, tile1, feed1, rows, p1, rg1, pairs, slots)?;
         } else {
             let name = format!(
                 "gemm1_{}_{}",
@@ -1719,16 +1793,8 @@ impl CudaLayer {
                 stride: p2.k as usize,
             };
             let gemm = PrefillGemm::Gemm2;
-            self.prefill_gemm(
-                gemm,
-                tile,
-                feed(p2.k, gemm, rg2),
-                rows,
-                p2,
-                rg2,
-                pairs,
-                slots,
-            )
+            let (tile2, feed2) = feed(p2.k, gemm, rg2);
+            self.prefill_gemm(gemm, tile2, feed2, rows, p2, rg2, pairs, slots)
         } else {
             let stream = w2.nvfp4.then_some("stream_gemm2");
             let name = format!("gemm2_{}", kind(w2));
@@ -2391,10 +2457,16 @@ mod tests {
     #[test]
     fn prefill_tile_follows_tokens_per_expert_and_shared_memory() {
         let (h200, sm89) = (227 * 1024, 99 * 1024);
-        // Nemotron-3 Nano: 512 tokens = 24 per expert, 1024 = 48.
+        // Nemotron-3 Nano: 512 tokens = 24 per expert, 1024 = 48, 4096 = 192.
         let tile = |pairs, smem, forced| PrefillTile::choose(pairs, 128, smem, forced);
         assert_eq!(tile(512 * 6, h200, None), PrefillTile::Small);
         assert_eq!(tile(1024 * 6, h200, None), PrefillTile::Large);
+        assert_eq!(tile(4096 * 6, h200, None), PrefillTile::Wide);
+        assert_eq!(tile(4096 * 6, sm89, None), PrefillTile::Small);
+        assert_eq!(tile(6, h200, Some(PrefillTile::Wide)), PrefillTile::Wide);
+        // A100 (163 KB) holds a 128-token tile, not a wide one.
+        assert_eq!(tile(4096 * 6, 163 * 1024, None), PrefillTile::Large);
+        assert!(PrefillTile::Wide.shared_bytes() <= h200);
         assert_eq!(tile(32 * 128, h200, None), PrefillTile::Large);
         assert_eq!(tile(1024 * 6, sm89, None), PrefillTile::Small);
         let forced = Some(PrefillTile::Large);
@@ -2404,14 +2476,24 @@ mod tests {
             tile(1 << 20, h200, Some(PrefillTile::Small)),
             PrefillTile::Small
         );
-        // A100 (163 KB) holds a large tile.
         assert_eq!(tile(1 << 20, 163 * 1024, None), PrefillTile::Large);
+        // Wide tiles by default only from K = 1024, and only TMA-fed.
+        let wide = PrefillTile::Wide;
+        assert_eq!(wide.for_k(768), PrefillTile::Large);
+        assert_eq!(wide.for_k(1856), wide);
+        assert_eq!(PrefillTile::Small.for_k(4096), PrefillTile::Small);
+        assert_eq!(wide.for_feed(PrefillFeed::CpAsync), PrefillTile::Large);
+        assert_eq!(wide.for_feed(PrefillFeed::Tma), wide);
+        assert_eq!(
+            PrefillTile::Large.for_feed(PrefillFeed::CpAsync),
+            PrefillTile::Large
+        );
     }
 
     #[test]
     fn prefill_feed_needs_sm90a_large_tiles_and_16_byte_rows() {
         use PrefillFeed::*;
-        let (l, sm) = (PrefillTile::Large, PrefillTile::Small);
+        let (l, sm, w) = (PrefillTile::Large, PrefillTile::Small, PrefillTile::Wide);
         // 4096 operand rows; `tiles` weight-row tiles.
         let choose =
             |tile, k, tiles, arch, forced| PrefillFeed::choose(tile, k, 4096, tiles, arch, forced);
@@ -2423,6 +2505,10 @@ mod tests {
         // An odd count of row tiles cannot pair up.
         assert_eq!(choose(l, 1856, 11, "sm_90a", Some(TmaMulticast)), Tma);
         assert_eq!(choose(l, 2688, 8, "sm_90a", Some(CpAsync)), CpAsync);
+        // Wide tiles: TMA, never multicast.
+        assert_eq!(choose(w, 2688, 8, "sm_90a", None), Tma);
+        assert_eq!(choose(w, 2688, 8, "sm_90a", Some(TmaMulticast)), Tma);
+        assert_eq!(choose(w, 2688, 8, "sm_80", None), CpAsync);
         // Not applicable: cp.async whatever was asked for.
         assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(Tma)), CpAsync);
         assert_eq!(choose(l, 2688, 8, "sm_90", Some(Tma)), CpAsync);
@@ -2434,17 +2520,18 @@ mod tests {
         assert_eq!(few_rows, CpAsync);
         assert_eq!(TmaMulticast.cluster(), 2);
         assert_eq!(Tma.cluster(), 1);
-        for feed in [Tma, TmaMulticast] {
+        for (tile, feed) in [(l, Tma), (l, TmaMulticast), (w, Tma)] {
             for gemm in [
                 PrefillGemm::Gemm1Gated,
                 PrefillGemm::Gemm1Plain,
                 PrefillGemm::Gemm2,
             ] {
-                let name = gemm.tma_kernel(feed);
+                let name = gemm.tma_kernel(tile, feed);
                 assert!(compile::kernel_names("prefill_gemm.cu")
                     .iter()
                     .any(|n| n == name));
                 assert_eq!(name.contains("tma2"), feed == TmaMulticast, "{name}");
+                assert_eq!(name.contains("wide"), tile == w, "{name}");
             }
         }
     }
