@@ -63,7 +63,7 @@
 #define PF_STAGE_BYTES (PF_B_BYTES + PF_W_BYTES + PF_S_BYTES)
 #define PF_NT_WIDE 256      // wide tiles (prefill_wide_*, TMA only): 8 warps, 8 slots (128 rows)
 #define PF_THREADS_WIDE 256
-#define PF_RING_OFFSET 1024  // below it: the row table and the tile
+#define PF_RING_OFFSET 3072  // below it: the row table, the tile, the barriers, the tokens' pairs
 
 typedef unsigned long long u64;
 
@@ -84,7 +84,12 @@ struct __align__(64) TmaMap {
 // Layout below the ring: the row table (PF_NT ints) and the tile pair, then the barriers; a
 // 128-byte-swizzled stage must start 1024-byte aligned (descriptor base offset 0).
 static_assert(PF_BARS_OFFSET >= PF_NT * 4 + 8 && PF_BARS_OFFSET % 8 == 0, "barriers overlap the row table");
-static_assert(PF_BARS_OFFSET + 2 * 8 * PF_STAGES <= PF_RING_OFFSET, "barriers overlap the ring");
+// GEMM2: each tile column's pair and router weight (PF_NT_WIDE ints, then as many floats),
+// fetched before the k loop so that the epilogue does not wait on two dependent global loads
+// per item (run 47: 15 % of the wide GEMM2's warp samples).
+#define PF_PAIRS_OFFSET 1024
+static_assert(PF_BARS_OFFSET + 2 * 8 * PF_STAGES <= PF_PAIRS_OFFSET, "barriers overlap the pair table");
+static_assert(PF_PAIRS_OFFSET + 8 * PF_NT_WIDE <= PF_RING_OFFSET, "the pair table overlaps the ring");
 static_assert(PF_RING_OFFSET % 1024 == 0 && PF_STAGE_BYTES % 1024 == 0, "swizzled stages must be 1024-byte aligned");
 
 #if PF_WGMMA
@@ -349,7 +354,8 @@ __device__ __forceinline__ int slot_local_row(int slot) {
 // same bits. Tokens go in passes of PS column tiles when the ring cannot hold the whole tile.
 template <bool GATED, int STAGE, int NC, int SLOTS, int HALVES>
 __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const float (&acc)[HALVES][NC / 8][4],
-                                                 unsigned char* ring, int e, int base, int n_e, int t0, int nvalid) {
+                                                 unsigned char* ring, const int* tok_pair, const float* tok_w, int e,
+                                                 int base, int n_e, int t0, int nvalid) {
     constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
     constexpr int EP_TS = SLOTS * 16 + 4;  // local rows + 4 floats of padding per token
     constexpr int RING_BYTES = PF_STAGES * pf_stage_bytes(NC, SLOTS);  // at most the ring: NC <= NT
@@ -390,8 +396,8 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
             *reinterpret_cast<float4*>(v + 4) = *reinterpret_cast<const float4*>(src + 4);
             if (STAGE == 2) {
                 if (!ok) continue;
-                const int pair = p.sorted[base + lt];
-                const float w = p.topk_w[pair] * alpha;
+                const int pair = tok_pair[lt - t0];
+                const float w = tok_w[lt - t0] * alpha;
 #pragma unroll
                 for (int i = 0; i < 8; i++) v[i] *= w;
                 float4* out = reinterpret_cast<float4*>(p.o_out + (size_t)pair * p.out_stride + rg0 * 16 + row);
@@ -595,7 +601,9 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 #endif
 
     __syncthreads();  // every warp is done with the ring: the epilogue stages through it
-    prefill_epilogue<GATED, STAGE, NC, SLOTS, HALVES>(p, acc, ring, e, base, n_e, t0, nvalid);
+    prefill_epilogue<GATED, STAGE, NC, SLOTS, HALVES>(p, acc, ring, reinterpret_cast<const int*>(ring - PF_RING_OFFSET + PF_PAIRS_OFFSET),
+                                                      reinterpret_cast<const float*>(ring - PF_RING_OFFSET + PF_PAIRS_OFFSET) + PF_NT_WIDE,
+                                                      e, base, n_e, t0, nvalid);
 }
 
 // NT-token tiles (PF_NT_SMALL, PF_NT or PF_NT_WIDE) over SLOTS 16-row slots: the tile's rows,
@@ -619,6 +627,16 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     const int t0 = tile[1];
     const int base = p.offsets[e], n_e = p.offsets[e + 1] - base;
     const int nvalid = min(NT, n_e - t0);
+    if (STAGE == 2) {
+        // Read by the epilogue, after the k loop's barriers.
+        int* tok_pair = reinterpret_cast<int*>(smem_raw + PF_PAIRS_OFFSET);
+        float* tok_w = reinterpret_cast<float*>(tok_pair + PF_NT_WIDE);
+        for (int i = tid; i < nvalid; i += THREADS) {
+            const int pair = p.sorted[base + t0 + i];
+            tok_pair[i] = pair;
+            tok_w[i] = p.topk_w[pair];
+        }
+    }
     if (TMA) {
 #if PF_WGMMA
         if (tid == 0) {

@@ -810,11 +810,11 @@ impl PrefillTile {
         }
     }
 
-    /// Dynamic shared memory of a block: 1 KB of row table and barriers, then 5 ring stages of
-    /// the tile's activations (128 bytes per token) and the slots' weights (576 bytes each),
-    /// rounded up to 1 KB (`pf_stage_bytes`).
+    /// Dynamic shared memory of a block: 3 KB of row table, barriers and GEMM2's per-column
+    /// pairs and router weights, then 5 ring stages of the tile's activations (128 bytes per
+    /// token) and the slots' weights (576 bytes each), rounded up to 1 KB (`pf_stage_bytes`).
     pub const fn shared_bytes(self) -> usize {
-        1024 + 5 * (self.tokens() * 128 + self.slots() * 576).div_ceil(1024) * 1024
+        3072 + 5 * (self.tokens() * 128 + self.slots() * 576).div_ceil(1024) * 1024
     }
 
     /// Output row groups of a block: the slots, half of them for the gated GEMM1 (a g row
