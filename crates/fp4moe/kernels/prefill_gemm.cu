@@ -1,18 +1,19 @@
 // Expert GEMMs of the prefill path (tens to thousands of tokens per expert) on tensor-core tiles.
 // Formulas and epilogues are gemm_common.cuh's, the packed NVFP4 weight layout expert_gemm.cu's.
 //
-// Tile: a block owns 16 ring slots of 16 weight rows (256 rows) x up to NT tokens of one expert:
-// PF_NT = 128 (prefill_gemm*, four warpgroups, one block per SM) or PF_NT_SMALL = 32
-// (prefill_small_*, two warpgroups, PF_SMALL_BLOCKS blocks per SM, for a few to a few tens of
-// tokens per expert). Slot s = 8·h + w' (h = 0, 1; w' < 8) holds, gated, the gate rows (h = 0)
-// or the up rows (h = 1, I/16 row groups further) of g row group 8·bx + w', so a block covers
-// 128 rows of g; non-gated, row group 16·bx + 8·(w' / 4) + 4·h + w' % 4, 256 output rows.
-// With HALVES = 1 (large tiles, 16 warps) warp w computes slot w: 16 converting warps per SM
-// hide the dequantization's latency twice as well as 8 (KERNEL_NOTES run 20); gated, the up
-// warps hand their accumulators to the gate warps through shared memory after the k loop.
+// Tile: a block owns SLOTS ring slots of 16 weight rows x up to NT tokens of one expert:
+// SLOTS = 16 (256 rows) with PF_NT = 128 (prefill_gemm*, prefill_tma*: four warpgroups, one
+// block per SM) or PF_NT_SMALL = 32 (prefill_small_*, two warpgroups, PF_SMALL_BLOCKS blocks per
+// SM, for a few to a few tens of tokens per expert); SLOTS = 8 (128 rows) with PF_NT_WIDE = 256
+// (prefill_wide_*, two warpgroups, TMA-fed, sm_90a: each converted fragment feeds 256 token
+// columns). With HS = SLOTS / 2, slot s = HS·h + w' (h = 0, 1; w' < HS) holds, gated, the gate
+// rows (h = 0) or the up rows (h = 1, I/16 row groups further) of g row group HS·bx + w', so a
+// block covers 8·SLOTS rows of g; non-gated, row group SLOTS·bx + 8·(w' / 4) + 4·h + w' % 4.
+// With HALVES = 1 (large and wide tiles) warp w computes slot w: 16 converting warps per SM
+// hide the dequantization's latency twice as well as 8 (KERNEL_NOTES run 20).
 // With HALVES = 2 (small tiles, 8 warps, 2 blocks per SM) warp w computes slots w and 8 + w.
 // Every 64-wide k chunk goes through a PF_STAGES-deep cp.async ring in shared
-// memory: the 16 row groups' packed NVFP4 data (512 bytes each, the mma A fragments, see
+// memory: the SLOTS row groups' packed NVFP4 data (512 bytes each, the mma A fragments, see
 // expert_gemm.cu) and scales (64 bytes each), and the tile's activation rows (gathered through
 // the sorted pairs) in the no-swizzle K-major core-matrix layout wgmma reads B from:
 //     byte (n, k) of the B part = (n / 8)·1024 + (k / 8)·128 + (n % 8)·16 + (k % 8)·2
@@ -21,17 +22,17 @@
 // fragment(s) back (one 16-byte load per lane each) and dequantizes them in registers without
 // tables (dequant_fragment_alu: products carry 2^-8, undone in the epilogue).
 //
-// sm_90a: per 16 k, one wgmma.m64nNk16 (A from registers, N = 16 to 128) per half, committed
-// together; the next fragments are dequantized while they run (wait_group 1, A double
-// buffered). No wgmma sits in a branch (ptxas would serialize them): row groups past the
+// sm_90a: per 16 k, one wgmma.m64nNk16 (A from registers, N = 16 to 128; 256 and 192 as
+// 128 + the rest) per half, committed together; the next fragments are dequantized while they
+// run (wait_group 1, A double buffered). No wgmma sits in a branch (ptxas would serialize them): row groups past the
 // matrix are zero-filled and computed, not skipped. Other archs: mma.sync m16n8k16 over N/8
 // column tiles of the same shared layout. Both leave the accumulators in the fragment order the
 // epilogues expect.
 //
-// TMA feed (prefill_tma*, sm_90a, 128-token tiles): the activation rows are read in sorted pair
+// TMA feed (prefill_tma*, prefill_wide_*, sm_90a): the activation rows are read in sorted pair
 // order from a tensor map (GEMM1's operand gathered by gather_rows first), thread 0 loading each
-// chunk's 128 x 64 box with two TMA boxes onto the stage's mbarrier, in the 128-byte-swizzled
-// layout of smem_desc_sw128 (row n at n·128 bytes, 16-byte pieces XORed with n % 8). The
+// chunk's NC x 64 box with one TMA box per 64 columns onto the stage's mbarrier, in the
+// 128-byte-swizzled layout of smem_desc_sw128 (row n at n·128 bytes, 16-byte pieces XORed with n % 8). The
 // weights keep their cp.async copies. prefill_tma2_*: 2-CTA clusters sharing the token tile,
 // each CTA multicasting its half of the box to both (see KERNEL_NOTES run 38: slower).
 //
@@ -40,9 +41,15 @@
 // overwrites the other CTA's stage, which its barrier does not cover: the empty mbarriers do
 // (every warp of the other CTA has arrived for chunk c - 2 before thread 0 refills).
 //
-// Work: blockIdx.x = row tile, blockIdx.y = the y-th (expert, 128-token tile) in active-expert
-// order; blocks past the last tile exit. An expert's last tile runs N = 64 when it holds at most
-// 64 tokens. Each output is summed by one thread in a fixed order: results are deterministic.
+// Epilogue (prefill_epilogue): through the idle ring as f32 [token][row], then one short loop of
+// 16-byte stores (GEMM2: the columns' pairs and router weights were fetched into shared memory
+// before the k loop).
+//
+// Work: blockIdx.x = row tile, blockIdx.y = the y-th (expert, NT-token tile) in active-expert
+// order; blocks past the last tile exit. An expert's last tile runs the narrowest width that holds
+// its tokens (NT or NT / 2; wide tiles 256, 192, 128 or 64). Each output is summed by one thread
+// in a fixed order, the same for every width and tile: results are deterministic and equal
+// across tiles.
 #include "gemm_common.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
