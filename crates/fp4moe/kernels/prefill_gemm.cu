@@ -9,8 +9,9 @@
 // columns). With HS = SLOTS / 2, slot s = HS·h + w' (h = 0, 1; w' < HS) holds, gated, the gate
 // rows (h = 0) or the up rows (h = 1, I/16 row groups further) of g row group HS·bx + w', so a
 // block covers 8·SLOTS rows of g; non-gated, row group SLOTS·bx + 8·(w' / 4) + 4·h + w' % 4.
-// With HALVES = 1 (large and wide tiles) warp w computes slot w: 16 converting warps per SM
-// hide the dequantization's latency twice as well as 8 (KERNEL_NOTES run 20).
+// With HALVES = 1 (large and wide tiles) warp w computes slot w: on the large tiles 16
+// converting warps per SM hide the dequantization's latency twice as well as 8 (KERNEL_NOTES
+// run 20); the wide tiles have 8, each converted fragment serving twice the columns.
 // With HALVES = 2 (small tiles, 8 warps, 2 blocks per SM) warp w computes slots w and 8 + w.
 // Every 64-wide k chunk goes through a PF_STAGES-deep cp.async ring in shared
 // memory: the SLOTS row groups' packed NVFP4 data (512 bytes each, the mma A fragments, see
@@ -88,8 +89,9 @@ struct __align__(64) TmaMap {
     u64 opaque[16];
 };
 #define PF_BARS_OFFSET 576  // full[PF_STAGES], empty[PF_STAGES] mbarriers (TMA kernels), below the ring
-// Layout below the ring: the row table (PF_NT ints) and the tile pair, then the barriers; a
-// 128-byte-swizzled stage must start 1024-byte aligned (descriptor base offset 0).
+// Layout below the ring: the row table (PF_NT ints) and the tile pair, then the barriers, then
+// GEMM2's pair table; a 128-byte-swizzled stage must start 1024-byte aligned (descriptor base
+// offset 0).
 static_assert(PF_BARS_OFFSET >= PF_NT * 4 + 8 && PF_BARS_OFFSET % 8 == 0, "barriers overlap the row table");
 // GEMM2: each tile column's pair and router weight (PF_NT_WIDE ints, then as many floats),
 // fetched before the k loop so that the epilogue does not wait on two dependent global loads
@@ -371,6 +373,10 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
     // Items per token: 8 output rows each (gated: 8·SLOTS g rows; else 16·SLOTS rows).
     constexpr int IPT = GATED && STAGE == 1 ? SLOTS : 2 * SLOTS;
     constexpr int UP = SLOTS * 8;  // gated: the up rows' local offset
+    // The QDQ's shuffle pairs item i with i ^ 1 (the same token's other 8 rows of a 16-row block)
+    // and needs every lane of a warp in every iteration; float4 staging reads need 16-byte rows.
+    static_assert(IPT % 2 == 0 && (PS * 8 * IPT) % 32 == 0 && THREADS % 32 == 0, "epilogue items per warp");
+    static_assert(EP_TS % 4 == 0, "staging rows must be 16-byte aligned");
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     float* st = reinterpret_cast<float*>(ring);
     const int nsub_valid = (nvalid + 7) / 8;
@@ -445,14 +451,15 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
     }
 }
 
-// One tile of NC (16, 32, 64 or 128; at most NT) token columns: the k loop and the epilogue.
-// HALVES: slots per warp (1: 16 warps, 2: 8 warps). TMA: how the activation tile arrives — 0:
-// gathered by every thread's cp.async through `srow`; 1: two TMA boxes from `tm` (the rows in
-// sorted order, 128-byte swizzle), completing on `bars`; 2: as 1, the box of each CTA of a
-// 2-CTA cluster multicast to both (each L2 read feeds two SMs).
+// One tile of NC (16 to 256, at most NT) token columns: the k loop and the epilogue. HALVES:
+// slots per warp (1: SLOTS warps, 2: SLOTS / 2). TMA: how the activation tile arrives — 0:
+// gathered by every thread's cp.async through `srow`; 1: one TMA box per 64 columns from `tm`
+// (the rows in sorted order, 128-byte swizzle), completing on `bars`; 2: as 1, the box of each
+// CTA of a 2-CTA cluster multicast to both (each L2 read feeds two SMs).
 template <bool GATED, int STAGE, int NC, int NT, int SLOTS, int HALVES, int TMA>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring, int e, int base,
                                              int n_e, int t0, int nvalid, const TmaMap* tm, u64* bars) {
+    static_assert(NC <= NT && NC % 16 == 0, "a tile's width fits its ring");
     constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
     constexpr int STAGES = PF_STAGES, AHEAD = STAGES - 2;
     constexpr int B_BYTES = NT * 128, W_BYTES = SLOTS * 512, STAGE_BYTES = pf_stage_bytes(NT, SLOTS);
@@ -460,8 +467,8 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     const u8* wdata_e = p.wdata + (size_t)e * p.rg_w * p.kg * 512;
     const u8* wscales_e = p.wscales + (size_t)e * p.rg_w * p.kg * 64;
 
-    // Copies of a chunk: NC·8 activation pieces, then 16 x 32 data and 16 x 4 scale pieces of
-    // weights. Each thread's pieces are the same every chunk but for a k offset, so each has a
+    // Copies of a chunk: NC·8 activation pieces (cp.async feed), then SLOTS x 32 data and
+    // SLOTS x 4 scale pieces of weights. Each thread's pieces are the same every chunk but for a k offset, so each has a
     // cursor resolved once here and advanced by a fixed step per chunk (chunks are staged in
     // order): a chunk costs a few adds, no branches and a cp.async per piece.
     constexpr int A_PIECES = TMA ? 0 : NC * 8, A_COPIES = (A_PIECES + THREADS - 1) / THREADS;

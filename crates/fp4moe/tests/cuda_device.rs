@@ -222,19 +222,25 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
         same_bits(&out, &again),
         "prefill path not bitwise reproducible"
     );
-    // Every activation feed of the 128-token tiles (one-CTA TMA by default on sm_90a, TMA
-    // multicast over 2-CTA clusters where the row tiles pair up, per-thread cp.async) gives the
-    // same operands to the same MMAs in the same order.
-    for feed in [PrefillFeed::TmaMulticast, PrefillFeed::CpAsync] {
+    // Every activation feed of the 128-token tiles, forced (one-CTA TMA, TMA multicast over
+    // 2-CTA clusters where the row tiles pair up, per-thread cp.async; the default may be the
+    // 256-token tiles, which have only the one-CTA feed) gives the same operands to the same
+    // MMAs in the same order, and the tiles give the same bits (below).
+    layer.set_prefill_tile(Some(PrefillTile::Large));
+    for feed in [
+        PrefillFeed::Tma,
+        PrefillFeed::TmaMulticast,
+        PrefillFeed::CpAsync,
+    ] {
         layer.set_prefill_feed(Some(feed));
         let (fed, _) = run_device(&layer, &x, &logits);
         assert!(same_bits(&out, &fed), "prefill feed {feed:?} differs");
     }
     layer.set_prefill_feed(None);
     // Every token tile of the prefill kernels, forced (on sm_90a the 256-token tiles run every
-    // column width, 64 to 256; elsewhere, or where K rules out the TMA feed, they fall back to
-    // 128-token tiles). They sum each output over the same k order with the same MMA
-    // instruction per 128 columns, and gave the same bits in every case of run 44.
+    // column width, 64 to 256, and, forced, also where K < 1024; where the TMA feed does not
+    // apply they fall back to 128-token tiles). They sum each output over the same k order, and
+    // gave the same bits in every case of runs 44–48.
     let mut tiles = Vec::new();
     for tile in [PrefillTile::Small, PrefillTile::Large, PrefillTile::Wide] {
         layer.set_prefill_tile(Some(tile));
@@ -317,11 +323,11 @@ fn prefill_k_not_a_multiple_of_64() {
     if !common::gpu_available() {
         return;
     }
-    // 128-token tiles (256 tokens per expert) whose K ends mid-chunk, so the TMA box is
-    // zero-filled past K: H 2704 and I 1872 (43 and 30 chunks, 16 valid k in the last); the
-    // non-gated GEMM1 has 8 row tiles, so the multicast feed runs in clusters there. Then
-    // K = 48 (less than a box: cp.async whatever is forced) and 64, one chunk each, with a
-    // single row tile.
+    // TMA-fed tiles (256 tokens per expert: 256-token tiles by default) whose K ends mid-chunk,
+    // so the TMA box is zero-filled past K: H 2704 and I 1872 (43 and 30 chunks, 16 valid k in
+    // the last); with the 128-token tiles forced, the non-gated GEMM1 has 8 row tiles, so the
+    // multicast feed runs in clusters there. Then K = 48 (less than a box: cp.async whatever is
+    // forced) and 64, one chunk each, with a single row tile.
     check_prefill(
         spec(2704, 1872, 16, 4, Activation::Relu2NoMul, QuantMode::W4A16),
         1024,

@@ -680,8 +680,8 @@ const ROUTER_TILED_FROM: usize = 1024;
 pub enum GemmPath {
     /// `expert_gemm.cu`: split-K mma.sync streaming, for few tokens per expert.
     Decode,
-    /// `prefill_gemm.cu`: 256-row tensor-core tiles (wgmma on sm_90a) of 32 or 128 tokens
-    /// ([`PrefillTile`]).
+    /// `prefill_gemm.cu`: tensor-core tiles (wgmma on sm_90a) of 32 or 128 tokens over 256
+    /// weight rows, or 256 tokens over 128 rows ([`PrefillTile`]).
     Prefill,
 }
 
@@ -719,7 +719,7 @@ pub enum PrefillTile {
 }
 
 impl PrefillTile {
-    /// `FP4MOE_PREFILL_TILE=32|128`, a benchmark knob.
+    /// `FP4MOE_PREFILL_TILE=32|128|256`, a benchmark knob.
     fn from_env() -> Option<Self> {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let choices = [
@@ -825,39 +825,40 @@ impl PrefillTile {
             PrefillGemm::Gemm1Plain | PrefillGemm::Gemm2 => self.slots(),
         }
     }
-
-    /// The cp.async-fed kernel that runs `gemm` with this tile (static names: no allocation per
-    /// launch); wide tiles have none (their callers go through [`PrefillTile::for_feed`]).
-    fn kernel(self, gemm: PrefillGemm) -> &'static str {
-        match (self, gemm) {
-            (PrefillTile::Small, PrefillGemm::Gemm1Gated) => "prefill_small_gemm1_gated",
-            (PrefillTile::Small, PrefillGemm::Gemm1Plain) => "prefill_small_gemm1_plain",
-            (PrefillTile::Small, PrefillGemm::Gemm2) => "prefill_small_gemm2",
-            (_, PrefillGemm::Gemm1Gated) => "prefill_gemm1_gated",
-            (_, PrefillGemm::Gemm1Plain) => "prefill_gemm1_plain",
-            (_, PrefillGemm::Gemm2) => "prefill_gemm2",
-        }
-    }
 }
 
 impl PrefillGemm {
-    /// The TMA-fed kernel of this GEMM for `tile` and `feed` (not `CpAsync`).
-    fn tma_kernel(self, tile: PrefillTile, feed: PrefillFeed) -> &'static str {
-        match (tile, feed, self) {
-            (PrefillTile::Wide, _, PrefillGemm::Gemm1Gated) => "prefill_wide_gemm1_gated",
-            (PrefillTile::Wide, _, PrefillGemm::Gemm1Plain) => "prefill_wide_gemm1_plain",
-            (PrefillTile::Wide, _, PrefillGemm::Gemm2) => "prefill_wide_gemm2",
-            (_, PrefillFeed::TmaMulticast, PrefillGemm::Gemm1Gated) => "prefill_tma2_gemm1_gated",
-            (_, PrefillFeed::TmaMulticast, PrefillGemm::Gemm1Plain) => "prefill_tma2_gemm1_plain",
-            (_, PrefillFeed::TmaMulticast, PrefillGemm::Gemm2) => "prefill_tma2_gemm2",
-            (_, _, PrefillGemm::Gemm1Gated) => "prefill_tma1_gemm1_gated",
-            (_, _, PrefillGemm::Gemm1Plain) => "prefill_tma1_gemm1_plain",
-            (_, _, PrefillGemm::Gemm2) => "prefill_tma1_gemm2",
-        }
+    /// The kernel that runs this GEMM on `tile` fed by `feed` (static names: no allocation per
+    /// launch); `None` for the pairs no kernel implements: TMA on 32-token tiles, wide tiles fed
+    /// by cp.async or multicast ([`PrefillTile::for_feed`] and [`PrefillFeed::choose`] never
+    /// pick them).
+    fn kernel(self, tile: PrefillTile, feed: PrefillFeed) -> Option<&'static str> {
+        use PrefillFeed::{CpAsync, Tma, TmaMulticast};
+        use PrefillGemm::{Gemm1Gated, Gemm1Plain, Gemm2};
+        use PrefillTile::{Large, Small, Wide};
+        Some(match (tile, feed, self) {
+            (Small, CpAsync, Gemm1Gated) => "prefill_small_gemm1_gated",
+            (Small, CpAsync, Gemm1Plain) => "prefill_small_gemm1_plain",
+            (Small, CpAsync, Gemm2) => "prefill_small_gemm2",
+            (Large, CpAsync, Gemm1Gated) => "prefill_gemm1_gated",
+            (Large, CpAsync, Gemm1Plain) => "prefill_gemm1_plain",
+            (Large, CpAsync, Gemm2) => "prefill_gemm2",
+            (Large, Tma, Gemm1Gated) => "prefill_tma1_gemm1_gated",
+            (Large, Tma, Gemm1Plain) => "prefill_tma1_gemm1_plain",
+            (Large, Tma, Gemm2) => "prefill_tma1_gemm2",
+            (Large, TmaMulticast, Gemm1Gated) => "prefill_tma2_gemm1_gated",
+            (Large, TmaMulticast, Gemm1Plain) => "prefill_tma2_gemm1_plain",
+            (Large, TmaMulticast, Gemm2) => "prefill_tma2_gemm2",
+            (Wide, Tma, Gemm1Gated) => "prefill_wide_gemm1_gated",
+            (Wide, Tma, Gemm1Plain) => "prefill_wide_gemm1_plain",
+            (Wide, Tma, Gemm2) => "prefill_wide_gemm2",
+            (Small, Tma | TmaMulticast, _) | (Wide, CpAsync | TmaMulticast, _) => return None,
+        })
     }
 }
 
-/// How the 128-token prefill tiles receive their activation rows (`prefill_gemm.cu`'s `TMA`).
+/// How the 128- and 256-token prefill tiles receive their activation rows (`prefill_gemm.cu`'s
+/// `TMA`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillFeed {
     /// Every thread gathers rows through the sorted pairs with cp.async.
@@ -914,6 +915,22 @@ impl PrefillFeed {
             1
         }
     }
+}
+
+/// Grid y of a prefill GEMM: an upper bound of the (expert, token tile) work items of `pairs`
+/// pairs over at most `slots` experts, which the grid's 65535 limits.
+fn prefill_token_tiles(tile: PrefillTile, pairs: usize, slots: usize) -> Result<usize> {
+    let tiles = pairs.div_ceil(tile.tokens()) + slots;
+    if tiles > 65_535 {
+        return Err(Error::Unsupported {
+            backend: "cuda".into(),
+            reason: format!(
+                "{pairs} routed pairs need {tiles} token tiles of {}; the prefill grid allows 65535",
+                tile.tokens()
+            ),
+        });
+    }
+    Ok(tiles)
 }
 
 /// Rows of a prefill GEMM's activation operand in sorted pair order, for its tensor map.
@@ -1191,10 +1208,11 @@ impl CudaLayer {
         self.decode_kernel = kernel;
     }
 
-    /// Forces how later forwards' 128-token prefill tiles receive their activations (`None`:
-    /// [`PrefillFeed::choose`]'s default). TMA falls back to cp.async where it does not apply
-    /// (not sm_90a, 32-token tiles, a K that is not a multiple of 8), and multicast to one-CTA
-    /// TMA per GEMM where its row tiles do not pair up (an odd count).
+    /// Forces how later forwards' 128- and 256-token prefill tiles receive their activations
+    /// (`None`: [`PrefillFeed::choose`]'s default). TMA falls back to cp.async where it does not
+    /// apply (not sm_90a, 32-token tiles, a K that is not a multiple of 8; the 256-token tiles
+    /// then give way to 128-token ones), and multicast to one-CTA TMA per GEMM where its row
+    /// tiles do not pair up (an odd count) and on the 256-token tiles.
     pub fn set_prefill_feed(&mut self, feed: Option<PrefillFeed>) {
         self.prefill_feed = feed;
     }
@@ -1652,9 +1670,9 @@ impl CudaLayer {
         GemmPath::choose(pairs, experts, self.dev.max_shared_bytes, forced)
     }
 
-    /// One prefill GEMM (`prefill_gemm.cu`): grid x over 256-weight-row tiles (128 rows of g
-    /// when gated), grid y over an upper bound of the (expert, 128-token) tiles of `pairs`
-    /// pairs spread over at most `slots` experts.
+    /// One prefill GEMM (`prefill_gemm.cu`): grid x over the tile's weight-row tiles
+    /// ([`PrefillTile::row_groups`] row groups each), grid y over an upper bound of the (expert,
+    /// token tile) work items of `pairs` pairs spread over at most `slots` experts.
     /// With a TMA `feed`, `sorted_rows` are the activation rows in sorted order.
     #[allow(clippy::too_many_arguments)]
     fn prefill_gemm(
@@ -1668,18 +1686,13 @@ impl CudaLayer {
         pairs: usize,
         slots: usize,
     ) -> Result<()> {
-        let tiles = pairs.div_ceil(tile.tokens()) + slots;
-        if tiles > 65_535 {
-            return Err(Error::Unsupported {
-                backend: "cuda".into(),
-                reason: format!(
-                    "{pairs} routed pairs need {tiles} token tiles; the prefill grid allows 65535"
-                ),
-            });
-        }
+        let tiles = prefill_token_tiles(tile, pairs, slots)?;
+        let name = gemm.kernel(tile, feed).ok_or_else(|| Error::Cuda {
+            stage: "kernel launch",
+            message: format!("no prefill kernel runs {tile:?} tiles fed by {feed:?}"),
+        })?;
         let cluster = feed.cluster();
         let row_tiles = rg_out.div_ceil(tile.row_groups(gemm));
-        let name = gemm.tma_kernel(tile, feed);
         if row_tiles % cluster as usize != 0 {
             return Err(Error::Cuda {
                 stage: "kernel launch",
@@ -1694,7 +1707,7 @@ impl CudaLayer {
             shared_mem_bytes: tile.shared_bytes() as u32,
         };
         if feed == PrefillFeed::CpAsync {
-            return self.launch_gemm(tile.kernel(gemm), cfg, params);
+            return self.launch_gemm(name, cfg, params);
         }
         let map = tensor_map(sorted_rows, params.k as usize).map_err(|e| match e {
             Error::Cuda { stage, message } => Error::Cuda {
@@ -1751,13 +1764,22 @@ impl CudaLayer {
             let tile = tile.for_feed(choose(tile));
             (tile, choose(tile))
         };
+        let gemm1 = if gated {
+            PrefillGemm::Gemm1Gated
+        } else {
+            PrefillGemm::Gemm1Plain
+        };
+        let (tile1, feed1) = feed(p1.k, gemm1, rg1);
+        let (tile2, feed2) = feed(p2.k, PrefillGemm::Gemm2, rg2);
+        // Both grids are checked before either GEMM launches (the tiles may differ).
         if path == GemmPath::Prefill && w13.nvfp4 {
-            let gemm = if gated {
-                PrefillGemm::Gemm1Gated
-            } else {
-                PrefillGemm::Gemm1Plain
-            };
-            let (tile1, feed1) = feed(p1.k, gemm, rg1);
+            prefill_token_tiles(tile1, pairs, slots)?;
+        }
+        if path == GemmPath::Prefill && w2.nvfp4 {
+            prefill_token_tiles(tile2, pairs, slots)?;
+        }
+        if path == GemmPath::Prefill && w13.nvfp4 {
+            let gemm = gemm1;
             // The routed operand's rows in sorted order; the shared expert's already are.
             let mut rows = SortedRows {
                 ptr: p1.act,
@@ -1792,9 +1814,16 @@ impl CudaLayer {
                 rows: pairs,
                 stride: p2.k as usize,
             };
-            let gemm = PrefillGemm::Gemm2;
-            let (tile2, feed2) = feed(p2.k, gemm, rg2);
-            self.prefill_gemm(gemm, tile2, feed2, rows, p2, rg2, pairs, slots)
+            self.prefill_gemm(
+                PrefillGemm::Gemm2,
+                tile2,
+                feed2,
+                rows,
+                p2,
+                rg2,
+                pairs,
+                slots,
+            )
         } else {
             let stream = w2.nvfp4.then_some("stream_gemm2");
             let name = format!("gemm2_{}", kind(w2));
@@ -2526,10 +2555,7 @@ mod tests {
                 PrefillGemm::Gemm1Plain,
                 PrefillGemm::Gemm2,
             ] {
-                let name = gemm.tma_kernel(tile, feed);
-                assert!(compile::kernel_names("prefill_gemm.cu")
-                    .iter()
-                    .any(|n| n == name));
+                let name = gemm.kernel(tile, feed).unwrap();
                 assert_eq!(name.contains("tma2"), feed == TmaMulticast, "{name}");
                 assert_eq!(name.contains("wide"), tile == w, "{name}");
             }
@@ -2538,18 +2564,31 @@ mod tests {
 
     #[test]
     fn prefill_kernels_exist() {
+        // Every (tile, feed) pair the host can launch names a kernel of the source; the others
+        // none, so a mismatched pair is an error, not a kernel of another block shape.
+        use PrefillFeed::*;
+        use PrefillTile::*;
         let names = compile::kernel_names("prefill_gemm.cu");
-        for tile in [PrefillTile::Small, PrefillTile::Large] {
-            for gemm in [
-                PrefillGemm::Gemm1Gated,
-                PrefillGemm::Gemm1Plain,
-                PrefillGemm::Gemm2,
-            ] {
-                assert!(
-                    names.iter().any(|n| n == tile.kernel(gemm)),
-                    "{tile:?} {gemm:?}"
-                );
+        let mut launched = 0;
+        for tile in [Small, Large, Wide] {
+            for feed in [CpAsync, Tma, TmaMulticast] {
+                for gemm in [
+                    PrefillGemm::Gemm1Gated,
+                    PrefillGemm::Gemm1Plain,
+                    PrefillGemm::Gemm2,
+                ] {
+                    let valid = matches!((tile, feed), (Small, CpAsync) | (Large, _) | (Wide, Tma));
+                    match gemm.kernel(tile, feed) {
+                        Some(name) => {
+                            assert!(valid, "{tile:?} {feed:?}");
+                            assert!(names.iter().any(|n| n == name), "{name}");
+                            launched += 1;
+                        }
+                        None => assert!(!valid, "{tile:?} {feed:?} {gemm:?}"),
+                    }
+                }
             }
         }
+        assert_eq!(launched, names.len());
     }
 }
