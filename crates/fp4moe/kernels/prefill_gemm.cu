@@ -25,16 +25,16 @@
 //
 // sm_90a: per 16 k, one wgmma.m64nNk16 (A from registers, N = 16 to 128; 256 and 192 as
 // 128 + the rest) per half, committed together; the next fragments are dequantized while they
-// run (wait_group 1, A double buffered). No wgmma sits in a branch (ptxas would serialize them): row groups past the
-// matrix are zero-filled and computed, not skipped. Other archs: mma.sync m16n8k16 over N/8
+// run (wait_group 1, A double buffered). No wgmma sits in a branch (ptxas would serialize
+// them): row groups past the matrix are zero-filled and computed, not skipped. Other archs: mma.sync m16n8k16 over N/8
 // column tiles of the same shared layout. Both leave the accumulators in the fragment order the
 // epilogues expect.
 //
 // TMA feed (prefill_tma*, prefill_wide_*, sm_90a): the activation rows are read in sorted pair
 // order from a tensor map (GEMM1's operand gathered by gather_rows first), thread 0 loading each
 // chunk's NC x 64 box with one TMA box per 64 columns onto the stage's mbarrier, in the
-// 128-byte-swizzled layout of smem_desc_sw128 (row n at n·128 bytes, 16-byte pieces XORed with n % 8). The
-// weights keep their cp.async copies. prefill_tma2_*: 2-CTA clusters sharing the token tile,
+// 128-byte-swizzled layout of smem_desc_sw128 (row n at n·128 bytes, 16-byte pieces XORed with
+// n % 8). The weights keep their cp.async copies. prefill_tma2_*: 2-CTA clusters sharing the token tile,
 // each CTA multicasting its half of the box to both (see KERNEL_NOTES run 38: slower).
 //
 // Ring hazards: chunk c + D (D = PF_STAGES - 2) is copied into the stage of chunk c - 2 right after the barrier of chunk c, when every warpgroup has
@@ -352,11 +352,11 @@ __device__ __forceinline__ int slot_local_row(int slot) {
 }
 
 // Epilogue of one tile, staged through the idle ring: each warp writes its accumulators there
-// as f32 [token][local row] (token stride 16·SLOTS + 4 floats: lanes of different q land 8 banks apart,
-// so the writes are conflict-free), then every thread takes items of 8 consecutive output rows
-// of one token: GEMM1 applies alpha, the activation (gated: gate rows at local row r, up rows
-// at r + 8·SLOTS) and the W4A4 QDQ (a 16-row block is the item and its neighbour lane), and stores
-// 16 bytes of bf16; GEMM2 scales by alpha · router weight and stores 32 bytes of f32. The
+// as f32 [token][local row] (token stride 16·SLOTS + 4 floats: lanes of different q land 8
+// banks apart, so the writes are conflict-free), then every thread takes items of 8 consecutive
+// output rows of one token: GEMM1 applies alpha, the activation (gated: gate rows at local row
+// r, up rows at r + 8·SLOTS) and the W4A4 QDQ (a 16-row block is the item and its neighbour
+// lane), and stores 16 bytes of bf16; GEMM2 scales by alpha · router weight and stores 32 bytes of f32. The
 // unrolled register epilogue this replaces was ~10k instructions of straight-line code (the
 // activation's expf / tanhf inlined per value): under ncu a quarter of GEMM1's warp samples,
 // mostly instruction-fetch stalls (KERNEL_NOTES run 43). Same arithmetic per value, so the
@@ -468,9 +468,10 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     const u8* wscales_e = p.wscales + (size_t)e * p.rg_w * p.kg * 64;
 
     // Copies of a chunk: NC·8 activation pieces (cp.async feed), then SLOTS x 32 data and
-    // SLOTS x 4 scale pieces of weights. Each thread's pieces are the same every chunk but for a k offset, so each has a
-    // cursor resolved once here and advanced by a fixed step per chunk (chunks are staged in
-    // order): a chunk costs a few adds, no branches and a cp.async per piece.
+    // SLOTS x 4 scale pieces of weights. Each thread's pieces are the same every chunk but for a
+    // k offset, so each has a cursor resolved once here and advanced by a fixed step per chunk
+    // (chunks are staged in order): a chunk costs a few adds, no branches and a cp.async per
+    // piece.
     constexpr int A_PIECES = TMA ? 0 : NC * 8, A_COPIES = (A_PIECES + THREADS - 1) / THREADS;
     constexpr int W_PIECES = SLOTS * 36;
     constexpr int W_COPIES = (W_PIECES + THREADS - 1) / THREADS;

@@ -883,11 +883,11 @@ impl PrefillFeed {
     }
 
     /// The feed for `tile` over an operand of `rows` rows of K = `k` bf16 and `row_tiles`
-    /// weight-row tiles on `arch`: TMA needs sm_90a, the 128- or 256-token tiles, a row stride that is
-    /// a multiple of 16 bytes and an operand at least one box (64 × 64) large; multicast pairs
-    /// row tiles, so it needs an even count (an odd one would add a tile of zero rows), and
-    /// runs on the 128-token tiles only. Every
-    /// feed uses the tile's ring ([`PrefillTile::shared_bytes`]).
+    /// weight-row tiles on `arch`: TMA needs sm_90a, the 128- or 256-token tiles, a row stride
+    /// that is a multiple of 16 bytes and an operand at least one box (64 × 64) large;
+    /// multicast pairs row tiles, so it needs an even count (an odd one would add a tile of zero
+    /// rows), and runs on the 128-token tiles only. Every feed uses the tile's ring
+    /// ([`PrefillTile::shared_bytes`]).
     pub fn choose(
         tile: PrefillTile,
         k: usize,
