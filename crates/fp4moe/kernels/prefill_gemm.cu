@@ -93,12 +93,16 @@ struct __align__(64) TmaMap {
 // GEMM2's pair table; a 128-byte-swizzled stage must start 1024-byte aligned (descriptor base
 // offset 0).
 static_assert(PF_BARS_OFFSET >= PF_NT * 4 + 8 && PF_BARS_OFFSET % 8 == 0, "barriers overlap the row table");
-// GEMM2: each tile column's pair and router weight (PF_NT_WIDE ints, then as many floats),
-// fetched before the k loop so that the epilogue does not wait on two dependent global loads
-// per item (run 47: 15 % of the wide GEMM2's warp samples).
+// GEMM2: each tile column's pair and router weight, fetched before the k loop so that the
+// epilogue does not wait on two dependent global loads per item (run 47: 15 % of the wide
+// GEMM2's warp samples).
+struct PairTable {
+    int pair[PF_NT_WIDE];
+    float weight[PF_NT_WIDE];
+};
 #define PF_PAIRS_OFFSET 1024
 static_assert(PF_BARS_OFFSET + 2 * 8 * PF_STAGES <= PF_PAIRS_OFFSET, "barriers overlap the pair table");
-static_assert(PF_PAIRS_OFFSET + 8 * PF_NT_WIDE <= PF_RING_OFFSET, "the pair table overlaps the ring");
+static_assert(PF_PAIRS_OFFSET + sizeof(PairTable) <= PF_RING_OFFSET, "the pair table overlaps the ring");
 static_assert(PF_RING_OFFSET % 1024 == 0 && PF_STAGE_BYTES % 1024 == 0, "swizzled stages must be 1024-byte aligned");
 
 #if PF_WGMMA
@@ -363,7 +367,7 @@ __device__ __forceinline__ int slot_local_row(int slot) {
 // same bits. Tokens go in passes of PS column tiles when the ring cannot hold the whole tile.
 template <bool GATED, int STAGE, int NC, int SLOTS, int HALVES>
 __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const float (&acc)[HALVES][NC / 8][4],
-                                                 unsigned char* ring, const int* tok_pair, const float* tok_w, int e,
+                                                 unsigned char* ring, const PairTable* pairs, int e,
                                                  int base, int n_e, int t0, int nvalid) {
     constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
     constexpr int EP_TS = SLOTS * 16 + 4;  // local rows + 4 floats of padding per token
@@ -409,8 +413,8 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
             *reinterpret_cast<float4*>(v + 4) = *reinterpret_cast<const float4*>(src + 4);
             if (STAGE == 2) {
                 if (!ok) continue;
-                const int pair = tok_pair[lt - t0];
-                const float w = tok_w[lt - t0] * alpha;
+                const int pair = pairs->pair[lt - t0];
+                const float w = pairs->weight[lt - t0] * alpha;
 #pragma unroll
                 for (int i = 0; i < 8; i++) v[i] *= w;
                 float4* out = reinterpret_cast<float4*>(p.o_out + (size_t)pair * p.out_stride + rg0 * 16 + row);
@@ -457,8 +461,9 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
 // (the rows in sorted order, 128-byte swizzle), completing on `bars`; 2: as 1, the box of each
 // CTA of a 2-CTA cluster multicast to both (each L2 read feeds two SMs).
 template <bool GATED, int STAGE, int NC, int NT, int SLOTS, int HALVES, int TMA>
-__device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring, int e, int base,
-                                             int n_e, int t0, int nvalid, const TmaMap* tm, u64* bars) {
+__device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring,
+                                             const PairTable* pairs, int e, int base, int n_e, int t0, int nvalid,
+                                             const TmaMap* tm, u64* bars) {
     static_assert(NC <= NT && NC % 16 == 0, "a tile's width fits its ring");
     constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
     constexpr int STAGES = PF_STAGES, AHEAD = STAGES - 2;
@@ -616,9 +621,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 #endif
 
     __syncthreads();  // every warp is done with the ring: the epilogue stages through it
-    prefill_epilogue<GATED, STAGE, NC, SLOTS, HALVES>(p, acc, ring, reinterpret_cast<const int*>(ring - PF_RING_OFFSET + PF_PAIRS_OFFSET),
-                                                      reinterpret_cast<const float*>(ring - PF_RING_OFFSET + PF_PAIRS_OFFSET) + PF_NT_WIDE,
-                                                      e, base, n_e, t0, nvalid);
+    prefill_epilogue<GATED, STAGE, NC, SLOTS, HALVES>(p, acc, ring, pairs, e, base, n_e, t0, nvalid);
 }
 
 // NT-token tiles (PF_NT_SMALL, PF_NT or PF_NT_WIDE) over SLOTS 16-row slots: the tile's rows,
@@ -642,14 +645,13 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     const int t0 = tile[1];
     const int base = p.offsets[e], n_e = p.offsets[e + 1] - base;
     const int nvalid = min(NT, n_e - t0);
+    PairTable* pairs = reinterpret_cast<PairTable*>(smem_raw + PF_PAIRS_OFFSET);
     if (STAGE == 2) {
         // Read by the epilogue, after the k loop's barriers.
-        int* tok_pair = reinterpret_cast<int*>(smem_raw + PF_PAIRS_OFFSET);
-        float* tok_w = reinterpret_cast<float*>(tok_pair + PF_NT_WIDE);
         for (int i = tid; i < nvalid; i += THREADS) {
             const int pair = p.sorted[base + t0 + i];
-            tok_pair[i] = pair;
-            tok_w[i] = p.topk_w[pair];
+            pairs->pair[i] = pair;
+            pairs->weight[i] = p.topk_w[pair];
         }
     }
     if (TMA) {
@@ -672,7 +674,7 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
             srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
         __syncthreads();
     }
-#define PF_TILE(NC) prefill_tile<GATED, STAGE, NC, NT, SLOTS, HALVES, TMA>(p, srow, ring, e, base, n_e, t0, nvalid, tm, bars)
+#define PF_TILE(NC) prefill_tile<GATED, STAGE, NC, NT, SLOTS, HALVES, TMA>(p, srow, ring, pairs, e, base, n_e, t0, nvalid, tm, bars)
     if constexpr (NT == PF_NT_WIDE) {
         if (nvalid > 192) PF_TILE(256);
         else if (nvalid > 128) PF_TILE(192);

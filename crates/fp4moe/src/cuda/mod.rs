@@ -1771,14 +1771,17 @@ impl CudaLayer {
         };
         let (tile1, feed1) = feed(p1.k, gemm1, rg1);
         let (tile2, feed2) = feed(p2.k, PrefillGemm::Gemm2, rg2);
+        // bf16 weights always take the decode kernels.
+        let prefill1 = path == GemmPath::Prefill && w13.nvfp4;
+        let prefill2 = path == GemmPath::Prefill && w2.nvfp4;
         // Both grids are checked before either GEMM launches (the tiles may differ).
-        if path == GemmPath::Prefill && w13.nvfp4 {
+        if prefill1 {
             prefill_token_tiles(tile1, pairs, slots)?;
         }
-        if path == GemmPath::Prefill && w2.nvfp4 {
+        if prefill2 {
             prefill_token_tiles(tile2, pairs, slots)?;
         }
-        if path == GemmPath::Prefill && w13.nvfp4 {
+        if prefill1 {
             let gemm = gemm1;
             // The routed operand's rows in sorted order; the shared expert's already are.
             let mut rows = SortedRows {
@@ -1807,7 +1810,7 @@ impl CudaLayer {
         if routed && self.stops_after(2) {
             return Ok(());
         }
-        if path == GemmPath::Prefill && w2.nvfp4 {
+        if prefill2 {
             // GEMM2's operand is GEMM1's output, written in sorted order.
             let rows = SortedRows {
                 ptr: p2.act,
