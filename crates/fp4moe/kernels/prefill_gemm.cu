@@ -65,6 +65,11 @@
 #define PF_NT_SMALL 32
 #define PF_SMALL_BLOCKS 2  // three (80 registers) make ptxas serialize the wgmmas (C7512)
 #define PF_STAGES 5
+// wgmma groups each warpgroup leaves in flight after issuing one (was 1; at most 3, see frag).
+#ifndef PF_MMA_DEPTH
+#define PF_MMA_DEPTH 3
+#endif
+static_assert(PF_MMA_DEPTH >= 1 && PF_MMA_DEPTH <= 3, "frag holds four steps; the ring refills chunk c - 2");
 #define PF_B_BYTES (PF_NT * 128)
 #define PF_W_BYTES (16 * 512)
 #define PF_S_BYTES (16 * 64)
@@ -550,7 +555,9 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         for (int s = 0; s < NSUB; s++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[h][s][c] = 0.0f;
-    u32 frag[HALVES][2][4];
+    // One A fragment buffer per 16-k step of a chunk: with wait_group PF_MMA_DEPTH (<= 3) the
+    // buffer step j rewrites was read by the group of step j of the previous chunk, retired.
+    u32 frag[HALVES][4][4];
 
 #pragma unroll
     for (int c = 0; c < AHEAD; c++) {
@@ -600,17 +607,17 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         for (int j = 0; j < 4; j++) {
 #pragma unroll
             for (int h = 0; h < HALVES; h++)
-                dequant_fragment_alu(word_of(d[h], j), scale_pair(sb[h].x, j), scale_pair(sb[h].y, j), frag[h][j & 1]);
+                dequant_fragment_alu(word_of(d[h], j), scale_pair(sb[h].x, j), scale_pair(sb[h].y, j), frag[h][j]);
 #if PF_WGMMA
             wgmma_fence();
             u64 desc = TMA ? smem_desc_sw128(stage + j * 32) : smem_desc(stage + j * 256);
 #pragma unroll
-            for (int h = 0; h < HALVES; h++) wgmma_rs<NC>(acc[h], frag[h][j & 1], desc);
+            for (int h = 0; h < HALVES; h++) wgmma_rs<NC>(acc[h], frag[h][j], desc);
             wgmma_commit();
-            wgmma_wait<1>();
+            wgmma_wait<PF_MMA_DEPTH>();
 #else
 #pragma unroll
-            for (int h = 0; h < HALVES; h++) mma_sync_k16<NSUB>(acc[h], frag[h][j & 1], stage, j);
+            for (int h = 0; h < HALVES; h++) mma_sync_k16<NSUB>(acc[h], frag[h][j], stage, j);
 #endif
         }
     }
