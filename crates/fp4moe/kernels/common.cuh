@@ -23,9 +23,14 @@ typedef unsigned int u32;
 #define ACT_RELU2 2
 #define ACT_SILU_NO_MUL 3
 
+// |value| of an E2M1 code without a table (an indexed local array lives in local memory: a
+// 32-byte stack frame and a load per value in every kernel that quantizes). Codes 2..7 are
+// 2^(e-1)·(1 + m/2) with e = code >> 1, m = code & 1, i.e. the f32 bits ((e + 126) << 23) |
+// (m << 22); code 1 is 0.5, code 0 is 0.
 __device__ __forceinline__ float e2m1_magnitude(u32 code) {
-    const float t[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    return t[code & 7];
+    const u32 c = code & 7;
+    const u32 bits = c >= 2 ? (((c >> 1) + 126u) << 23) | ((c & 1u) << 22) : (c ? 0x3F000000u : 0u);
+    return __uint_as_float(bits);
 }
 
 // Signed value of a nibble; the negative-zero code decodes to +0.
