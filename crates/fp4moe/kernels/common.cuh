@@ -39,14 +39,6 @@ __device__ __forceinline__ float e2m1_value(u32 nib) {
     return (nib & 8) ? -m : m;  // -0.0f only for m == 0, which callers treat as 0
 }
 
-// Magnitude code of |a| (a already clamped to [-6, 6]), ties to even.
-__device__ __forceinline__ u32 e2m1_code(float v) {
-    float a = fabsf(v);
-    u32 c = a <= 0.25f ? 0u : a < 0.75f ? 1u : a <= 1.25f ? 2u : a < 1.75f ? 3u
-          : a <= 2.5f ? 4u : a < 3.5f ? 5u : a <= 5.0f ? 6u : 7u;
-    return c | (v < 0.0f ? 8u : 0u);
-}
-
 __device__ __forceinline__ float e4m3_to_float(u8 b) {
     __nv_fp8_e4m3 v;
     v.__x = b;
@@ -66,13 +58,28 @@ __device__ __forceinline__ float nvfp4_block_scale(float vmax, float gs, u8* sca
     return e4m3_to_float(b);
 }
 
-__device__ __forceinline__ float nvfp4_out_scale(float sf, float gs) {
-    return sf != 0.0f ? 1.0f / (sf * (1.0f / gs)) : 0.0f;
+// The element multiplier 1 / (S · (1 / gs)) of a block with decoded scale S; `inv_gs` is
+// 1.0f / gs, computed once by the caller (the same bits as dividing here each time).
+__device__ __forceinline__ float nvfp4_out_scale(float sf, float inv_gs) {
+    return sf != 0.0f ? 1.0f / (sf * inv_gs) : 0.0f;
 }
 
-// Code of x for a block with element multiplier out_scale.
-__device__ __forceinline__ u32 nvfp4_code(float x, float out_scale) {
-    return e2m1_code(fminf(fmaxf(x * out_scale, -6.0f), 6.0f));
+// Quantize-dequantize of x in a block with element multiplier `os` and decoded scale `sf`:
+// sf · e2m1(clamp(x · os, ±6)), where e2m1 rounds to the grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} to
+// nearest with ties to the even code (format/e2m1.rs's interval thresholds). The grid spacing
+// is 2^(e − 1) within binade e (0.5 below 2, 1 below 4, 2 up to 6), so scaling |y| by the
+// inverse spacing, rounding to the nearest integer with ties to even (an even integer is an even
+// code) and scaling back is that rounding, exactly: both scalings are powers of two. A zero
+// code gives +0 whatever the sign (as the code-and-table form did). ~10 instructions for the
+// ~30 of a threshold chain plus a code-to-value decode. The test
+// `rounding_by_spacing_equals_thresholds` (format/e2m1.rs) checks the formula against the
+// thresholds for every f32 from 0 to 8. (NaN gives ±6 here, 0 on the CPU; inputs are finite.)
+__device__ __forceinline__ float nvfp4_qdq(float x, float os, float sf) {
+    const float y = x * os;
+    const float a = fminf(fabsf(y), 6.0f);
+    const bool lo = a < 2.0f, mid = a < 4.0f;
+    const float r = rintf(a * (lo ? 2.0f : mid ? 1.0f : 0.5f)) * (lo ? 0.5f : mid ? 1.0f : 2.0f) * sf;
+    return r != 0.0f && y < 0.0f ? -r : r;
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }

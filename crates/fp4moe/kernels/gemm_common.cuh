@@ -104,6 +104,7 @@ __device__ __forceinline__ void store_gemm1(const GemmParams& p, const float (&a
     int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     float alpha_g = p.wscale2[e * p.shards] * p.act_alpha * unscale;
     float alpha_u = GATED ? p.wscale2[e * p.shards + 1] * p.act_alpha * unscale : 0.0f;
+    const float inv_gs = p.gs_out > 0.0f ? 1.0f / p.gs_out : 0.0f;
 #pragma unroll
     for (int s = 0; s < NSUB; s++) {
         if (s >= nsub_valid) continue;  // warp-uniform
@@ -118,10 +119,9 @@ __device__ __forceinline__ void store_gemm1(const GemmParams& p, const float (&a
                 vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 16));
                 u8 sb;
                 float sf = nvfp4_block_scale(vmax, p.gs_out, &sb);
-                float os = nvfp4_out_scale(sf, p.gs_out);
-                u32 c0 = nvfp4_code(v0, os), c1 = nvfp4_code(v1, os);
-                v0 = (c0 & 7) ? e2m1_value(c0) * sf : 0.0f;
-                v1 = (c1 & 7) ? e2m1_value(c1) * sf : 0.0f;
+                float os = nvfp4_out_scale(sf, inv_gs);
+                v0 = nvfp4_qdq(v0, os, sf);
+                v1 = nvfp4_qdq(v1, os, sf);
             }
             int lt = t0 + s * 8 + 2 * q + c;
             if (lt < n_e) {

@@ -392,6 +392,7 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
     const int rg0 = blockIdx.x * (GATED && STAGE == 1 ? SLOTS / 2 : SLOTS);  // the block's first output row group
     const float alpha = p.wscale2[e * p.shards] * p.act_alpha * NVFP4_DEQ_UNSCALE;
     const float alpha_u = GATED && STAGE == 1 ? p.wscale2[e * p.shards + 1] * p.act_alpha * NVFP4_DEQ_UNSCALE : 0.0f;
+    const float inv_gs = STAGE == 1 && p.gs_out > 0.0f ? 1.0f / p.gs_out : 0.0f;
 #pragma unroll
     for (int ps = 0; ps < NSUB / PS; ps++) {
         if (ps * PS >= nsub_valid) break;  // block-uniform
@@ -441,12 +442,9 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
                 vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 1));  // the other 8 rows of the block
                 u8 sb;
                 const float sf = nvfp4_block_scale(vmax, p.gs_out, &sb);
-                const float os = nvfp4_out_scale(sf, p.gs_out);
+                const float os = nvfp4_out_scale(sf, inv_gs);
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const u32 c = nvfp4_code(v[i], os);
-                    v[i] = (c & 7) ? e2m1_value(c) * sf : 0.0f;
-                }
+                for (int i = 0; i < 8; i++) v[i] = nvfp4_qdq(v[i], os, sf);
             }
             if (ok) {
                 uint4 o;

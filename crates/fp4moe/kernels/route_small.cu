@@ -64,7 +64,9 @@ __device__ __forceinline__ void prepare_rows(const RouteSmallParams& p, int t0, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) route_small(const RouteSmallParams p) {
+// One block per SM stated explicitly: with (1024) alone ptxas capped the kernel at 32 registers
+// and spilled once prepare_row went to 4 elements per thread (it used ~55, as now).
+extern "C" __global__ void __launch_bounds__(1024, 1) route_small(const RouteSmallParams p) {
     extern __shared__ float smem[];
     const int tokens = p.tokens, experts = p.experts;
     const int w = threadIdx.x >> 5;

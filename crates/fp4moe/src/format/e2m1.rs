@@ -125,6 +125,36 @@ mod tests {
         }
     }
 
+    /// The CUDA kernels' quantize-dequantize (`nvfp4_qdq` in kernels/common.cuh) rounds by the
+    /// grid spacing instead of comparing with thresholds: |y| times the inverse spacing of its
+    /// binade, rounded to the nearest integer with ties to even, times the spacing. Both must
+    /// pick the same grid value for every f32; exhaustive over [0, 8] (saturation included).
+    #[test]
+    fn rounding_by_spacing_equals_thresholds() {
+        fn by_spacing(y: f32) -> f32 {
+            let a = y.abs().min(E2M1_MAX);
+            let (scale, spacing) = if a < 2.0 {
+                (2.0, 0.5)
+            } else if a < 4.0 {
+                (1.0, 1.0)
+            } else {
+                (0.5, 2.0)
+            };
+            (a * scale).round_ties_even() * spacing
+        }
+        for bits in 0..=8.0f32.to_bits() {
+            let y = f32::from_bits(bits);
+            let want = E2M1_VALUES[encode_magnitude(y) as usize];
+            assert_eq!(
+                by_spacing(y).to_bits(),
+                want.to_bits(),
+                "y = {y:e} ({bits:#x})"
+            );
+        }
+        assert_eq!(by_spacing(f32::INFINITY), 6.0);
+        assert_eq!(by_spacing(-1.75), 2.0); // the magnitude; the kernel applies the sign
+    }
+
     #[test]
     fn packing_puts_even_element_low() {
         assert_eq!(pack(0x3, 0xA), 0xA3);
