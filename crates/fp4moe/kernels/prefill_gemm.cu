@@ -25,22 +25,24 @@
 //
 // sm_90a: per 16 k, one wgmma.m64nNk16 (A from registers, N = 16 to 128; 256 and 192 as
 // 128 + the rest) per half, committed together; the next fragments are dequantized while they
-// run (wait_group 1, A double buffered). No wgmma sits in a branch (ptxas would serialize
-// them): row groups past the matrix are zero-filled and computed, not skipped. Other archs: mma.sync m16n8k16 over N/8
-// column tiles of the same shared layout. Both leave the accumulators in the fragment order the
-// epilogues expect.
+// run (wait_group PF_MMA_DEPTH = 3, one A buffer per 16-k step of a chunk). No wgmma sits in a
+// branch (ptxas would serialize them): row groups past the matrix are zero-filled and computed,
+// not skipped. Other archs: mma.sync m16n8k16 over N/8 column tiles of the same shared layout.
+// Both leave the accumulators in the fragment order the epilogues expect.
 //
 // TMA feed (prefill_tma*, prefill_wide_*, sm_90a): the activation rows are read in sorted pair
 // order from a tensor map (GEMM1's operand gathered by gather_rows first), thread 0 loading each
 // chunk's NC x 64 box with one TMA box per 64 columns onto the stage's mbarrier, in the
 // 128-byte-swizzled layout of smem_desc_sw128 (row n at n·128 bytes, 16-byte pieces XORed with
-// n % 8). The weights keep their cp.async copies. prefill_tma2_*: 2-CTA clusters sharing the token tile,
-// each CTA multicasting its half of the box to both (see KERNEL_NOTES run 38: slower).
+// n % 8). The weights keep their cp.async copies. prefill_tma2_*: 2-CTA clusters sharing the
+// token tile, each CTA multicasting its half of the box to both (KERNEL_NOTES run 38: slower).
 //
-// Ring hazards: chunk c + D (D = PF_STAGES - 2) is copied into the stage of chunk c - 2 right after the barrier of chunk c, when every warpgroup has
-// retired chunk c - 2's MMAs (wait_group 1 at chunk c - 1). With multicast the copy also
-// overwrites the other CTA's stage, which its barrier does not cover: the empty mbarriers do
-// (every warp of the other CTA has arrived for chunk c - 2 before thread 0 refills).
+// Ring hazards: chunk c + D (D = PF_STAGES - 2) is copied into the stage of chunk c - 2 right
+// after the barrier of chunk c, when every warpgroup has retired chunk c - 2's MMAs (wait_group
+// PF_MMA_DEPTH <= 3 after the last group of chunk c - 1: at most chunk c - 1's last three groups
+// are in flight). With multicast the copy also overwrites the other CTA's stage, which its
+// barrier does not cover: the empty mbarriers do (every warp of the other CTA has arrived for
+// chunk c - 2 before thread 0 refills).
 //
 // Epilogue (prefill_epilogue): through the idle ring as f32 [token][row], then one short loop of
 // 16-byte stores (GEMM2: the columns' pairs and router weights were fetched into shared memory
@@ -565,7 +567,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     for (int c = 0; c < p.kg; c++) {
 #if PF_WGMMA
         if (TMA == 2 && c >= 2 && c + AHEAD < p.kg && lane == 0) {
-            // This warp's MMAs of chunk c - 2 have retired (wait_group 1 after chunk c - 1):
+            // This warp's MMAs of chunk c - 2 have retired (wait_group PF_MMA_DEPTH after chunk c - 1):
             // the other CTA may refill that stage (with chunk c + AHEAD, at its chunk c) once
             // every warp here has said so. Said before this warp waits for anything, so the
             // other CTA rarely waits for it. (Inside the MMA loop it would make ptxas
