@@ -73,7 +73,7 @@ __device__ __forceinline__ float nvfp4_out_scale(float sf, float inv_gs) {
 // code gives +0 whatever the sign (as the code-and-table form did). ~10 instructions for the
 // ~30 of a threshold chain plus a code-to-value decode. The test
 // `rounding_by_spacing_equals_thresholds` (format/e2m1.rs) checks the formula against the
-// thresholds for every f32 from 0 to 8. (NaN gives ±6 here, 0 on the CPU; inputs are finite.)
+// thresholds for every f32 from 0 to 8. (NaN gives +6 here, -6 before, 0 on the CPU; inputs are finite.)
 __device__ __forceinline__ float nvfp4_qdq(float x, float os, float sf) {
     const float y = x * os;
     const float a = fminf(fabsf(y), 6.0f);
