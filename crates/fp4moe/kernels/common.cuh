@@ -82,6 +82,26 @@ __device__ __forceinline__ float nvfp4_qdq(float x, float os, float sf) {
     return r != 0.0f && y < 0.0f ? -r : r;
 }
 
+// Quantize-dequantize of one 16-element block held as N values in each of LANES lanes whose
+// ids differ in the bits of the xor masks FIRST, 2·FIRST, ... (every lane of the warp calls it):
+// the block's absolute max across them, its E4M3 scale for global scale gs (inv_gs = 1.0f / gs),
+// then nvfp4_qdq of each value. The max is exact in any order, so any lane layout gives the
+// same bits.
+template <int N, int FIRST, int LANES>
+__device__ __forceinline__ void nvfp4_qdq_block(float (&v)[N], float gs, float inv_gs) {
+    static_assert(N * LANES == 16, "an NVFP4 block has 16 elements");
+    float vmax = fabsf(v[0]);
+#pragma unroll
+    for (int i = 1; i < N; i++) vmax = fmaxf(vmax, fabsf(v[i]));
+#pragma unroll
+    for (int o = FIRST; o < FIRST * LANES; o <<= 1) vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, o));
+    u8 sb;
+    const float sf = nvfp4_block_scale(vmax, gs, &sb);
+    const float os = nvfp4_out_scale(sf, inv_gs);
+#pragma unroll
+    for (int i = 0; i < N; i++) v[i] = nvfp4_qdq(v[i], os, sf);
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float gelu_tanh(float x) {

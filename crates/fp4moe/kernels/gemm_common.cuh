@@ -113,15 +113,11 @@ __device__ __forceinline__ void store_gemm1(const GemmParams& p, const float (&a
             float v0 = apply_activation(p.activation, acc[s][c] * alpha_g, GATED ? accu[s][c] * alpha_u : 0.0f);
             float v1 = apply_activation(p.activation, acc[s][2 + c] * alpha_g, GATED ? accu[s][2 + c] * alpha_u : 0.0f);
             if (p.gs_out > 0.0f) {
-                float vmax = fmaxf(fabsf(v0), fabsf(v1));
-                vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 4));
-                vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 8));
-                vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 16));
-                u8 sb;
-                float sf = nvfp4_block_scale(vmax, p.gs_out, &sb);
-                float os = nvfp4_out_scale(sf, inv_gs);
-                v0 = nvfp4_qdq(v0, os, sf);
-                v1 = nvfp4_qdq(v1, os, sf);
+                // The 16 rows g of the block: 2 values in each of the 8 lanes of this q.
+                float v[2] = {v0, v1};
+                nvfp4_qdq_block<2, 4, 8>(v, p.gs_out, inv_gs);
+                v0 = v[0];
+                v1 = v[1];
             }
             int lt = t0 + s * 8 + 2 * q + c;
             if (lt < n_e) {

@@ -437,17 +437,8 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
             }
 #pragma unroll
             for (int i = 0; i < 8; i++) v[i] = apply_activation(p.activation, v[i] * alpha, GATED ? u[i] * alpha_u : 0.0f);
-            if (p.gs_out > 0.0f) {
-                float vmax = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) vmax = fmaxf(vmax, fabsf(v[i]));
-                vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 1));  // the other 8 rows of the block
-                u8 sb;
-                const float sf = nvfp4_block_scale(vmax, p.gs_out, &sb);
-                const float os = nvfp4_out_scale(sf, inv_gs);
-#pragma unroll
-                for (int i = 0; i < 8; i++) v[i] = nvfp4_qdq(v[i], os, sf);
-            }
+            // The 16-row block is this item and its neighbour lane's (the other 8 rows).
+            if (p.gs_out > 0.0f) nvfp4_qdq_block<8, 1, 2>(v, p.gs_out, inv_gs);
             if (ok) {
                 uint4 o;
                 o.x = bf16x2_bits(__floats2bfloat162_rn(v[0], v[1]));

@@ -39,16 +39,10 @@ __device__ __forceinline__ void prepare_row(const float* xr, __nv_bfloat16* ar, 
     for (int q0 = 0; q0 < quads; q0 += nthreads) {  // the same trips for every lane
         const int q = q0 + tid;
         const bool ok = q < quads;  // quads come in fours (hidden % 16 == 0): whole blocks
-        float4 v = ok ? x4[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (sr && ok) s4[q] = bf16x4_bits(v.x, v.y, v.z, v.w);
-        float vmax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-        vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 1));
-        vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, 2));
-        u8 sb;
-        const float sf = nvfp4_block_scale(vmax, gs, &sb);
-        const float os = nvfp4_out_scale(sf, inv_gs);
-        if (ok)
-            a4[q] = bf16x4_bits(nvfp4_qdq(v.x, os, sf), nvfp4_qdq(v.y, os, sf), nvfp4_qdq(v.z, os, sf),
-                                nvfp4_qdq(v.w, os, sf));
+        const float4 x = ok ? x4[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (sr && ok) s4[q] = bf16x4_bits(x.x, x.y, x.z, x.w);
+        float v[4] = {x.x, x.y, x.z, x.w};
+        nvfp4_qdq_block<4, 1, 4>(v, gs, inv_gs);
+        if (ok) a4[q] = bf16x4_bits(v[0], v[1], v[2], v[3]);
     }
 }
