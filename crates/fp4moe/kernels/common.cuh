@@ -49,13 +49,10 @@ __device__ __forceinline__ u8 float_to_e4m3_sat(float x) {
     return (u8)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
 }
 
-// One 16-block of the activation quantizer (DESIGN 1.2): the block scale byte and the element
-// multiplier for global scale `gs`, given the block's absolute max.
-__device__ __forceinline__ float nvfp4_block_scale(float vmax, float gs, u8* scale_byte) {
-    float s = fminf(gs * (vmax * (1.0f / 6.0f)), 448.0f);
-    u8 b = float_to_e4m3_sat(s);
-    *scale_byte = b;
-    return e4m3_to_float(b);
+// One 16-block of the activation quantizer (DESIGN 1.2): its decoded E4M3 block scale for
+// global scale `gs`, given the block's absolute max.
+__device__ __forceinline__ float nvfp4_block_scale(float vmax, float gs) {
+    return e4m3_to_float(float_to_e4m3_sat(fminf(gs * (vmax * (1.0f / 6.0f)), 448.0f)));
 }
 
 // The element multiplier 1 / (S · (1 / gs)) of a block with decoded scale S; `inv_gs` is
@@ -95,8 +92,7 @@ __device__ __forceinline__ void nvfp4_qdq_block(float (&v)[N], float gs, float i
     for (int i = 1; i < N; i++) vmax = fmaxf(vmax, fabsf(v[i]));
 #pragma unroll
     for (int o = FIRST; o < FIRST * LANES; o <<= 1) vmax = fmaxf(vmax, __shfl_xor_sync(FULL_MASK, vmax, o));
-    u8 sb;
-    const float sf = nvfp4_block_scale(vmax, gs, &sb);
+    const float sf = nvfp4_block_scale(vmax, gs);
     const float os = nvfp4_out_scale(sf, inv_gs);
 #pragma unroll
     for (int i = 0; i < N; i++) v[i] = nvfp4_qdq(v[i], os, sf);
