@@ -92,7 +92,7 @@ if has paths; then
 fi
 if has tiles; then
   # Decode kernels against both prefill tile sizes across the middle of the token range.
-  for v in decode:0 prefill:32 prefill:128; do
+  for v in decode:0 prefill:32 prefill:128 prefill:128x2; do
     echo "== FP4MOE_GEMM_PATH=${v%:*} FP4MOE_PREFILL_TILE=${v#*:}"
     FP4MOE_GEMM_PATH=${v%:*} FP4MOE_PREFILL_TILE=${v#*:} .gpu/fp4moe bench --preset ${TILES_PRESET:-nemotron3-nano} \
       --tokens ${TILES_TOKENS:-8,16,32,64,128,256,512,1024,2048} --backend cuda 2>&1 | tail -10 | tee -a $L/tiles.txt

@@ -6,7 +6,8 @@
 // block per SM) or PF_NT_SMALL = 32 (prefill_small_*, two warpgroups, PF_SMALL_BLOCKS blocks per
 // SM, for a few to a few tens of tokens per expert); SLOTS = 8 (128 rows) with PF_NT_WIDE = 256
 // (prefill_wide_*, two warpgroups, TMA-fed, sm_90a: each converted fragment feeds 256 token
-// columns). With HS = SLOTS / 2, slot s = HS·h + w' (h = 0, 1; w' < HS) holds, gated, the gate
+// columns) or PF_NT = 128 (prefill_dual_*, two warpgroups, TMA-fed, PF_DUAL_BLOCKS blocks
+// per SM). With HS = SLOTS / 2, slot s = HS·h + w' (h = 0, 1; w' < HS) holds, gated, the gate
 // rows (h = 0) or the up rows (h = 1, I/16 row groups further) of g row group HS·bx + w', so a
 // block covers 8·SLOTS rows of g; non-gated, row group SLOTS·bx + 8·(w' / 4) + 4·h + w' % 4.
 // With HALVES = 1 (large and wide tiles) warp w computes slot w: on the large tiles 16
@@ -30,7 +31,7 @@
 // not skipped. Other archs: mma.sync m16n8k16 over N/8 column tiles of the same shared layout.
 // Both leave the accumulators in the fragment order the epilogues expect.
 //
-// TMA feed (prefill_tma*, prefill_wide_*, sm_90a): the activation rows are read in sorted pair
+// TMA feed (prefill_tma*, prefill_wide_*, prefill_dual_*, sm_90a): the activation rows are read in sorted pair
 // order from a tensor map (GEMM1's operand gathered by gather_rows first), thread 0 loading each
 // chunk's NC x 64 box with one TMA box per 64 columns onto the stage's mbarrier, in the
 // 128-byte-swizzled layout of smem_desc_sw128 (row n at n·128 bytes, 16-byte pieces XORed with
@@ -721,17 +722,28 @@ PREFILL_TMA(prefill_tma1_gemm2, false, 2, 1)
 PREFILL_TMA(prefill_tma2_gemm1_gated, true, 1, 2)
 PREFILL_TMA(prefill_tma2_gemm1_plain, false, 1, 2)
 PREFILL_TMA(prefill_tma2_gemm2, false, 2, 2)
-// Wide tiles (KERNEL_NOTES run 44): 256 tokens x 8 slots (128 weight rows; gated, 64 g rows)
-// per block, 8 warps of one slot each, TMA-fed. Each converted A fragment feeds 256 token
-// columns (two m64n128k16 per 16 k) instead of 128: half the conversion per MAC of the
-// 128-token tiles, for twice the activation bytes per weight row.
-#define PREFILL_WIDE(NAME, GATED, STAGE)                                                              \
-    extern "C" __global__ void __launch_bounds__(PF_THREADS_WIDE, 1)                                 \
+// TMA-fed tiles of 8 slots (128 weight rows; gated, 64 g rows), THREADS / 32 warps of one slot
+// each, NT tokens, BLOCKS blocks per SM.
+#define PREFILL_SLOTS8(NAME, GATED, STAGE, NT, THREADS, BLOCKS)                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS)                                    \
         NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
         pdl_wait();                                                                                  \
         pdl_launch_dependents();                                                                     \
-        prefill_body<GATED, STAGE, PF_NT_WIDE, PF_THREADS_WIDE / 32, 1, 1>(p, &tm);                  \
+        prefill_body<GATED, STAGE, NT, THREADS / 32, 1, 1>(p, &tm);                                  \
     }
-PREFILL_WIDE(prefill_wide_gemm1_gated, true, 1)
-PREFILL_WIDE(prefill_wide_gemm1_plain, false, 1)
-PREFILL_WIDE(prefill_wide_gemm2, false, 2)
+// Wide tiles (KERNEL_NOTES run 44): 256 tokens per block, one block per SM. Each converted A
+// fragment feeds 256 token columns (two m64n128k16 per 16 k) instead of 128: half the
+// conversion per MAC of the 128-token tiles, for twice the activation bytes per weight row.
+PREFILL_SLOTS8(prefill_wide_gemm1_gated, true, 1, PF_NT_WIDE, PF_THREADS_WIDE, 1)
+PREFILL_SLOTS8(prefill_wide_gemm1_plain, false, 1, PF_NT_WIDE, PF_THREADS_WIDE, 1)
+PREFILL_SLOTS8(prefill_wide_gemm2, false, 2, PF_NT_WIDE, PF_THREADS_WIDE, 1)
+// Dual tiles (KERNEL_NOTES session 11): 128 tokens per block, PF_DUAL_BLOCKS blocks per SM
+// (108 KB of shared memory each, at most 128 registers). One block's fill, epilogue and chunk
+// waits then overlap the other's MMAs: the 256-token tiles, one block per SM, expose them
+// (run 56: the epilogue alone is 15-23 % of a GEMM). Each converted fragment feeds 128 columns,
+// as on the 128-token tiles.
+#define PF_THREADS_DUAL 256
+#define PF_DUAL_BLOCKS 2
+PREFILL_SLOTS8(prefill_dual_gemm1_gated, true, 1, PF_NT, PF_THREADS_DUAL, PF_DUAL_BLOCKS)
+PREFILL_SLOTS8(prefill_dual_gemm1_plain, false, 1, PF_NT, PF_THREADS_DUAL, PF_DUAL_BLOCKS)
+PREFILL_SLOTS8(prefill_dual_gemm2, false, 2, PF_NT, PF_THREADS_DUAL, PF_DUAL_BLOCKS)

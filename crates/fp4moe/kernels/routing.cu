@@ -1,6 +1,7 @@
 // Routing on the GPU (DESIGN 2): router logits and top-k selection, one warp per token. The
 // formulas and the per-warp code are in routing.cuh (shared with route_small.cu).
 #include "routing.cuh"
+#include "gemm_common.cuh"  // cp.async
 
 // logits[t, e] = x[t, :] · w[e, :] in f32; RL_WARPS-warp blocks, a logit per group of
 // router_slices(T·E) warps (routing.cuh).
@@ -76,6 +77,124 @@ extern "C" __global__ void __launch_bounds__(256) router_logits_tiled(const floa
         }
 }
 
+// The same logits on tensor cores in split TF32 ("3xTF32"): each f32 operand v = hi + lo with
+// hi = tf32(v) and lo = tf32(v - hi) (round to nearest, ties away: cvt.rna), and each product
+// x·w = lo_x·hi_w + hi_x·lo_w + hi_x·hi_w (the small terms first; lo_x·lo_w, ~2^-22 of it,
+// dropped), accumulated by mma.sync m16n8k8 into a per-chunk partial sum that an ordinary f32
+// add folds into the logit after every 32 k (a tensor core may truncate its f32 accumulation:
+// over all 2688 k, emulated truncation reached 2.5e-5 relative error; per 32-k chunk it stays
+// ~3e-7). Deterministic: k in order. bf16-exact operands have lo = 0 (exact products).
+// Tile: 32 tokens x 32 experts per 128-thread block, warp w computing tokens 16·(w / 2).. and
+// experts 16·(w % 2).. (one m16 x two n8 MMA tiles): small tiles, as the kernel runs where the
+// SIMT kernel's 64 x 64 tiles leave most SMs idle (runs 58–59: 64-token TF32 tiles were
+// slower than the SIMT kernel once either fills the GPU). 32-k chunks go through an
+// RT_STAGES-deep cp.async ring, row-major with a 36-float row stride: the fragment reads (row
+// g + const, column q + const of an 8 x 4 lane grid) and the 16-byte copies are free of bank
+// conflicts. Needs hidden % 4 == 0 and sm_80.
+#define RT_TOK 32
+#define RT_EXP 32
+#define RT_K 32
+#define RT_LD 36
+#define RT_STAGES 3
+__device__ __forceinline__ void split_tf32(float v, u32& hi, u32& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(v));
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(v - __uint_as_float(hi)));
+}
+__device__ __forceinline__ void mma_tf32_1688(float d[4], const u32 a[4], const u32 b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+extern "C" __global__ void __launch_bounds__(128) router_logits_tf32x3(const float* __restrict__ x, const float* __restrict__ w,
+                                                                         float* __restrict__ logits, int tokens, int hidden,
+                                                                         int experts) {
+    constexpr int TOK = RT_TOK, THREADS = 128;
+    __shared__ __align__(16) float xs[RT_STAGES][TOK][RT_LD];
+    __shared__ __align__(16) float ws[RT_STAGES][RT_EXP][RT_LD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int t0 = blockIdx.x * TOK, e0 = blockIdx.y * RT_EXP;
+    const int wr = 16 * (warp >> 1), wc = 16 * (warp & 1);
+    // Chunk k0 into stage b: TOK token rows and RT_EXP expert rows of 8 pieces of 16 bytes;
+    // zero past the matrices (hidden % 4 == 0: a piece is all in or all out).
+    auto stage = [&](int b, int k0) {
+#pragma unroll
+        for (int i = tid; i < TOK * 8; i += THREADS) {
+            const int row = i >> 3, c = (i & 7) * 4;
+            const bool ok = t0 + row < tokens && k0 + c < hidden;
+            cp_async16(&xs[b][row][c], ok ? x + (size_t)(t0 + row) * hidden + k0 + c : x, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = tid; i < RT_EXP * 8; i += THREADS) {
+            const int row = i >> 3, c = (i & 7) * 4;
+            const bool ok = e0 + row < experts && k0 + c < hidden;
+            cp_async16(&ws[b][row][c], ok ? w + (size_t)(e0 + row) * hidden + k0 + c : w, ok ? 16 : 0);
+        }
+    };
+    float acc[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+    const int chunks = (hidden + RT_K - 1) / RT_K;
+#pragma unroll
+    for (int c = 0; c < RT_STAGES - 1; c++) {
+        if (c < chunks) stage(c, c * RT_K);
+        cp_async_commit();  // possibly empty: one group per chunk
+    }
+    for (int c = 0; c < chunks; c++) {
+        // Stage (c + RT_STAGES - 1) % RT_STAGES was last read in iteration c - 1, which ended
+        // with a barrier.
+        const int next = c + RT_STAGES - 1;
+        if (next < chunks) stage(next % RT_STAGES, next * RT_K);
+        cp_async_commit();
+        cp_async_wait<RT_STAGES - 1>();  // chunk c has landed
+        __syncthreads();
+        const int b = c % RT_STAGES;
+        float part[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) part[n][i] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < RT_K; kk += 8) {
+            // A (16 x 8, row-major): (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4).
+            u32 ah[4], al[4];
+            split_tf32(xs[b][wr + g][kk + q], ah[0], al[0]);
+            split_tf32(xs[b][wr + g + 8][kk + q], ah[1], al[1]);
+            split_tf32(xs[b][wr + g][kk + q + 4], ah[2], al[2]);
+            split_tf32(xs[b][wr + g + 8][kk + q + 4], ah[3], al[3]);
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                // B (8 x 8, column-major = the router rows): (k q, expert g), (k q + 4, expert g).
+                u32 bh[2], bl[2];
+                split_tf32(ws[b][wc + 8 * n + g][kk + q], bh[0], bl[0]);
+                split_tf32(ws[b][wc + 8 * n + g][kk + q + 4], bh[1], bl[1]);
+                mma_tf32_1688(part[n], al, bh);
+                mma_tf32_1688(part[n], ah, bl);
+                mma_tf32_1688(part[n], ah, bh);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[n][i] += part[n][i];
+        __syncthreads();
+    }
+    // D (16 x 8): (g, 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1).
+#pragma unroll
+    for (int n = 0; n < 2; n++) {
+        const int e = e0 + wc + 8 * n + 2 * q;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int t = t0 + wr + g + 8 * h;
+            if (t >= tokens) continue;
+            if (e < experts) logits[(size_t)t * experts + e] = acc[n][2 * h];
+            if (e + 1 < experts) logits[(size_t)t * experts + e + 1] = acc[n][2 * h + 1];
+        }
+    }
+}
 // scoring: 0 softmax, 1 sigmoid. bias may be null. Shared memory: 2·E + 64 floats per warp.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, const float* __restrict__ bias,
                                       int* __restrict__ ids, float* __restrict__ weights, int tokens,

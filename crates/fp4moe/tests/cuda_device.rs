@@ -9,6 +9,7 @@ mod common;
 use fp4moe::calibration::calibrate_with_router;
 use fp4moe::cuda::{
     CudaLayer, CudaWorkspace, DecodeKernel, GemmPath, PrefillFeed, PrefillTile, RoutePath,
+    RouterKernel,
 };
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
@@ -224,7 +225,7 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
     );
     // Every activation feed of the 128-token tiles, forced (one-CTA TMA, TMA multicast over
     // 2-CTA clusters where the row tiles pair up, per-thread cp.async; the default may be the
-    // 256-token tiles, which have only the one-CTA feed) gives the same operands to the same
+    // 256-token or dual tiles, which have only the one-CTA feed) gives the same operands to the same
     // MMAs in the same order, and the tiles give the same bits (below).
     layer.set_prefill_tile(Some(PrefillTile::Large));
     for feed in [
@@ -238,11 +239,17 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
     }
     layer.set_prefill_feed(None);
     // Every token tile of the prefill kernels, forced (on sm_90a the 256-token tiles run every
-    // column width, 64 to 256, and, forced, also where K < 1024; where the TMA feed does not
-    // apply they fall back to 128-token tiles). They sum each output over the same k order, and
+    // column width, 64 to 256, and, forced, also where K < 1024; the dual tiles, two 128-token
+    // blocks of 128 rows per SM, likewise; where the TMA feed does not apply both fall back to
+    // 128-token tiles). They sum each output over the same k order, and
     // gave the same bits in every case of runs 44–48.
     let mut tiles = Vec::new();
-    for tile in [PrefillTile::Small, PrefillTile::Large, PrefillTile::Wide] {
+    for tile in [
+        PrefillTile::Small,
+        PrefillTile::Large,
+        PrefillTile::Wide,
+        PrefillTile::Dual,
+    ] {
         layer.set_prefill_tile(Some(tile));
         let (tiled, _) = run_device(&layer, &x, &logits);
         let d = relative_l2(&tiled, &out);
@@ -703,24 +710,45 @@ fn router_logits_on_device_match_the_cpu() {
     if !common::gpu_available() {
         return;
     }
-    // Below and above the tiled kernel's threshold, E not a multiple of its 64-expert tile.
-    let s = spec(2688, 128, 96, 6, Activation::Relu2NoMul, QuantMode::W4A16);
-    let w = random_weights(&s, 21).unwrap();
-    let layer = CudaLayer::new(&s, &w).unwrap();
+    // Below and above the tiled kernels' threshold (1024 tokens), E not a multiple of their
+    // 64- or 32-expert tiles, T not a multiple of their 64-token tile, H not a multiple of their
+    // 32-k chunk; both tiled kernels. Inputs and router weights get full f32 mantissas (the
+    // synthetic ones are bf16-exact, for which the TF32 kernel's low parts vanish).
+    let h = 2064;
+    let s = spec(h, 128, 100, 6, Activation::Relu2NoMul, QuantMode::W4A16);
+    let mut w = random_weights(&s, 21).unwrap();
+    let full_f32 = |v: &mut [f32], salt: usize| {
+        for (i, x) in v.iter_mut().enumerate() {
+            *x *= 1.0 + ((i * 7919 + salt) % 1021) as f32 * 1.7e-6;
+        }
+    };
+    if let Some(r) = w.router.as_mut() {
+        full_f32(r, 1);
+    }
+    let mut layer = CudaLayer::new(&s, &w).unwrap();
     let st = layer.stream().clone();
-    for tokens in [5, 300] {
-        let x = random_tokens(tokens, 2688, 22 + tokens as u64);
-        let mut ws = layer.workspace(tokens).unwrap();
-        st.memcpy_htod(&x, &mut ws.x).unwrap();
-        layer.forward_device(&mut ws, None).unwrap();
-        let got = st.clone_dtoh(&ws.logits).unwrap();
-        let want = router_logits(&x, w.router.as_ref().unwrap(), 2688, 96);
-        let err = relative_l2(&got[..want.len()], &want);
-        println!("router logits T{tokens}: rel err {err:.3e}");
-        assert!(
-            err < 1e-5,
-            "router logits T{tokens}: relative error {err:e}"
-        );
+    for tokens in [5, 300, 1100] {
+        let mut x = random_tokens(tokens, h, 22 + tokens as u64);
+        full_f32(&mut x, 2);
+        let want = router_logits(&x, w.router.as_ref().unwrap(), h, 100);
+        let kernels: &[RouterKernel] = if tokens >= 1024 {
+            &[RouterKernel::Simt, RouterKernel::Tf32x3]
+        } else {
+            &[RouterKernel::Simt]
+        };
+        for &kernel in kernels {
+            layer.set_router_kernel(Some(kernel));
+            let mut ws = layer.workspace(tokens).unwrap();
+            st.memcpy_htod(&x, &mut ws.x).unwrap();
+            layer.forward_device(&mut ws, None).unwrap();
+            let got = st.clone_dtoh(&ws.logits).unwrap();
+            let err = relative_l2(&got[..want.len()], &want);
+            println!("router logits T{tokens} {kernel:?}: rel err {err:.3e}");
+            assert!(
+                err < 1e-5,
+                "router logits T{tokens} {kernel:?}: relative error {err:e}"
+            );
+        }
     }
 }
 

@@ -90,7 +90,12 @@ pub(super) fn kernel_define(file: &str, name: &str) -> usize {
 /// stage, block shape and token-tile count).
 pub fn kernel_names(file: &str) -> Vec<String> {
     let fixed: &[&str] = match file {
-        "routing.cu" => &["router_logits", "router_logits_tiled", "route_topk"],
+        "routing.cu" => &[
+            "router_logits",
+            "router_logits_tiled",
+            "router_logits_tf32x3",
+            "route_topk",
+        ],
         "sort_pairs.cu" => &[
             "sort_pairs",
             "count_pairs",
@@ -116,6 +121,9 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "prefill_wide_gemm1_gated",
             "prefill_wide_gemm1_plain",
             "prefill_wide_gemm2",
+            "prefill_dual_gemm1_gated",
+            "prefill_dual_gemm1_plain",
+            "prefill_dual_gemm2",
         ],
         _ => &[],
     };
@@ -457,7 +465,7 @@ mod tests {
                 assert!(src.contains(base), "{file} lacks {n}");
             }
             if file == "prefill_gemm.cu" {
-                let n = ["\nPREFILL(", "\nPREFILL_TMA(", "\nPREFILL_WIDE("]
+                let n = ["\nPREFILL(", "\nPREFILL_TMA(", "\nPREFILL_SLOTS8("]
                     .iter()
                     .map(|m| src.matches(m).count())
                     .sum::<usize>();
@@ -514,6 +522,12 @@ mod tests {
                 define("PF_THREADS_WIDE"),
                 define("PF_THREADS_WIDE") / 32,
             ),
+            (
+                PrefillTile::Dual,
+                define("PF_NT"),
+                define("PF_THREADS_DUAL"),
+                define("PF_THREADS_DUAL") / 32,
+            ),
         ] {
             assert_eq!(tile.tokens(), nt);
             assert_eq!(tile.threads(), threads, "{tile:?}");
@@ -528,6 +542,7 @@ mod tests {
             PrefillTile::Small.blocks_per_sm(),
             define("PF_SMALL_BLOCKS")
         );
+        assert_eq!(PrefillTile::Dual.blocks_per_sm(), define("PF_DUAL_BLOCKS"));
     }
 
     #[test]

@@ -476,6 +476,7 @@ pub struct CudaLayer {
     decode_kernel: Option<DecodeKernel>,
     prefill_feed: Option<PrefillFeed>,
     prefill_tile: Option<PrefillTile>,
+    router_kernel: Option<RouterKernel>,
     stream_units: Option<usize>,
     /// Forwards stop after this many of [`STAGES`] (timing diagnostics).
     stage_limit: Option<usize>,
@@ -675,6 +676,29 @@ fn router_logits_per_block(logits: usize) -> usize {
 /// Token count from which router logits come from the tiled kernel.
 const ROUTER_TILED_FROM: usize = 1024;
 
+/// How the router logits of [`ROUTER_TILED_FROM`] tokens or more are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouterKernel {
+    /// `router_logits_tiled`: f32 FMAs, each logit one thread's sequential sum over k.
+    Simt,
+    /// `router_logits_tf32x3*`: tensor cores in split TF32 (three MMAs per product, f32
+    /// accumulation), relative error ~1e-6 against an f32 sum. The default where the SIMT
+    /// kernel's tiles would fill less than half the SMs (1024 tokens of 128 experts).
+    Tf32x3,
+}
+
+impl RouterKernel {
+    /// `FP4MOE_ROUTER=simt|tf32x3`, a benchmark knob.
+    fn from_env() -> Option<Self> {
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        let choices = [
+            ("simt", RouterKernel::Simt),
+            ("tf32x3", RouterKernel::Tf32x3),
+        ];
+        tuning_choice(&KNOB, "FP4MOE_ROUTER", &choices)
+    }
+}
+
 /// Which expert-GEMM kernels run a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmPath {
@@ -693,10 +717,12 @@ pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
 /// tiles are faster at 24, slower at 48; run 15).
 pub const PREFILL_LARGE_TILE_FROM: usize = 32;
 
-/// Mean tokens per expert from which the prefill path uses 256-token tiles where they apply
-/// (sm_90a, TMA feed, K from [`PREFILL_WIDE_MIN_K`]; docs/KERNEL_NOTES.md run 44: faster than
-/// 128-token tiles at 192 tokens per expert, slower at 48 and 96).
-pub const PREFILL_WIDE_TILE_FROM: usize = 128;
+/// Mean tokens per expert from which a GEMM uses 256-token tiles where they apply (sm_90a, TMA
+/// feed, K from [`PREFILL_WIDE_MIN_K`]); below it the two-per-SM 128-token tiles run
+/// (docs/KERNEL_NOTES.md runs 58–59, µs per GEMM: dual faster at 48 tokens per expert by 9–15 %
+/// and at 192 by 0–4 %, level at 384, wide faster at 768 by 1–6 %, where converting each
+/// weight fragment once for 256 tokens outweighs the overlap of two blocks).
+pub const PREFILL_WIDE_TILE_FROM: usize = 256;
 
 /// Smallest K (the GEMM's reduction length) for which the default picks 256-token tiles
 /// (run 45: Qwen3's GEMM2, K = 768, 12 % slower with them; K = 1856–2688 3–9 % faster, K = 2048
@@ -716,25 +742,32 @@ pub enum PrefillTile {
     /// converted weight fragment feeds 256 token columns. TMA-fed only (sm_90a): where the TMA
     /// feed does not apply, [`PrefillTile::Large`] runs instead.
     Wide,
+    /// `prefill_dual_*`: 128-token tiles over 128 weight rows, two blocks of 8 warps per SM, so
+    /// one block's fill and epilogue overlap the other's MMAs. TMA-fed only, like
+    /// [`PrefillTile::Wide`]: where that feed does not apply, [`PrefillTile::Large`] runs
+    /// instead. The default from [`PREFILL_LARGE_TILE_FROM`] tokens per expert.
+    Dual,
 }
 
 impl PrefillTile {
-    /// `FP4MOE_PREFILL_TILE=32|128|256`, a benchmark knob.
+    /// `FP4MOE_PREFILL_TILE=32|128|256|128x2`, a benchmark knob.
     fn from_env() -> Option<Self> {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let choices = [
             ("32", PrefillTile::Small),
             ("128", PrefillTile::Large),
             ("256", PrefillTile::Wide),
+            ("128x2", PrefillTile::Dual),
         ];
         tuning_choice(&KNOB, "FP4MOE_PREFILL_TILE", &choices)
     }
 
-    /// The tile for `pairs` pairs over `experts` experts: `forced` when given, else 256-token
-    /// tiles from [`PREFILL_WIDE_TILE_FROM`] mean tokens per expert, 128-token tiles from
-    /// [`PREFILL_LARGE_TILE_FROM`]; the next smaller tile whenever the device lacks a tile's
-    /// shared memory (sm_86/89's 99 KB hold only the 32-token tiles, A100's 163 KB the
-    /// 128-token ones). Wide tiles also need the TMA feed: [`PrefillTile::for_feed`].
+    /// The tile for `pairs` pairs over `experts` experts: `forced` when given, else the dual
+    /// 128-token tiles from [`PREFILL_LARGE_TILE_FROM`] mean tokens per expert (a GEMM may still
+    /// take wide ones: [`PrefillTile::for_k`]), 32-token tiles below; the next smaller tile
+    /// whenever the device lacks a tile's shared memory (sm_86/89's 99 KB hold only the
+    /// 32-token tiles, A100's 163 KB the 128-token ones). Wide and dual tiles also need the TMA
+    /// feed: [`PrefillTile::for_feed`].
     pub fn choose(
         pairs: usize,
         experts: usize,
@@ -742,33 +775,42 @@ impl PrefillTile {
         forced: Option<Self>,
     ) -> Self {
         let per_expert = pairs / experts.max(1);
-        let wanted = forced.unwrap_or(if per_expert >= PREFILL_WIDE_TILE_FROM {
-            PrefillTile::Wide
-        } else if per_expert >= PREFILL_LARGE_TILE_FROM {
-            PrefillTile::Large
+        let wanted = forced.unwrap_or(if per_expert >= PREFILL_LARGE_TILE_FROM {
+            PrefillTile::Dual
         } else {
             PrefillTile::Small
         });
+        // A dual tile falls back to a 128-token one where the TMA feed does not apply
+        // (`for_feed`), so it needs a device that holds that one too.
+        let fits = |t: PrefillTile| match t {
+            PrefillTile::Dual => PrefillTile::Large.shared_bytes() <= max_shared_bytes,
+            t => t.shared_bytes() <= max_shared_bytes,
+        };
         [wanted, PrefillTile::Large, PrefillTile::Small]
             .into_iter()
-            .find(|t| t.tokens() <= wanted.tokens() && t.shared_bytes() <= max_shared_bytes)
+            .find(|&t| t.tokens() <= wanted.tokens() && fits(t))
             .unwrap_or(PrefillTile::Small)
     }
 
-    /// This tile, or the 128-token one for a GEMM of reduction length `k` below
-    /// [`PREFILL_WIDE_MIN_K`] (the default rule; a forced tile skips it).
-    pub fn for_k(self, k: usize) -> Self {
-        if self == PrefillTile::Wide && k < PREFILL_WIDE_MIN_K {
-            PrefillTile::Large
+    /// The default rule per GEMM (a forced tile skips it): a GEMM of reduction length `k` from
+    /// [`PREFILL_WIDE_MIN_K`] takes the wide tiles in place of the dual ones from
+    /// [`PREFILL_WIDE_TILE_FROM`] mean tokens per expert, where the device holds them.
+    pub fn for_k(self, k: usize, per_expert: usize, max_shared_bytes: usize) -> Self {
+        let wide = self == PrefillTile::Dual
+            && k >= PREFILL_WIDE_MIN_K
+            && per_expert >= PREFILL_WIDE_TILE_FROM
+            && PrefillTile::Wide.shared_bytes() <= max_shared_bytes;
+        if wide {
+            PrefillTile::Wide
         } else {
             self
         }
     }
 
-    /// This tile, or the 128-token one where a wide tile would need the TMA feed and `feed`
-    /// is cp.async.
+    /// This tile, or the 128-token one where a wide or dual tile would need the TMA feed and
+    /// `feed` is cp.async.
     pub fn for_feed(self, feed: PrefillFeed) -> Self {
-        if self == PrefillTile::Wide && feed == PrefillFeed::CpAsync {
+        if matches!(self, PrefillTile::Wide | PrefillTile::Dual) && feed == PrefillFeed::CpAsync {
             PrefillTile::Large
         } else {
             self
@@ -779,25 +821,26 @@ impl PrefillTile {
     pub const fn tokens(self) -> usize {
         match self {
             PrefillTile::Small => 32,
-            PrefillTile::Large => 128,
+            PrefillTile::Large | PrefillTile::Dual => 128,
             PrefillTile::Wide => 256,
         }
     }
 
-    /// 16-row weight slots per block: 16 (256 rows), 8 for the wide tiles.
+    /// 16-row weight slots per block: 16 (256 rows), 8 for the wide and dual tiles.
     pub const fn slots(self) -> usize {
         match self {
             PrefillTile::Small | PrefillTile::Large => 16,
-            PrefillTile::Wide => 8,
+            PrefillTile::Wide | PrefillTile::Dual => 8,
         }
     }
 
-    /// Threads per block (`PF_THREADS`, `PF_THREADS_SMALL`, `PF_THREADS_WIDE`): 16 warps of one
-    /// 16-row slot each for the large tiles, 8 warps of two slots for the small ones (two
-    /// blocks per SM), 8 warps of one slot for the wide ones.
+    /// Threads per block (`PF_THREADS`, `PF_THREADS_SMALL`, `PF_THREADS_WIDE`,
+    /// `PF_THREADS_DUAL`): 16 warps of one 16-row slot each for the large tiles, 8 warps of two
+    /// slots for the small ones (two blocks per SM), 8 warps of one slot for the wide and dual
+    /// ones.
     pub const fn threads(self) -> usize {
         match self {
-            PrefillTile::Small | PrefillTile::Wide => 256,
+            PrefillTile::Small | PrefillTile::Wide | PrefillTile::Dual => 256,
             PrefillTile::Large => 512,
         }
     }
@@ -805,7 +848,7 @@ impl PrefillTile {
     /// Blocks per SM the kernels are built for (`__launch_bounds__`).
     pub const fn blocks_per_sm(self) -> usize {
         match self {
-            PrefillTile::Small => 2,
+            PrefillTile::Small | PrefillTile::Dual => 2,
             PrefillTile::Large | PrefillTile::Wide => 1,
         }
     }
@@ -829,13 +872,13 @@ impl PrefillTile {
 
 impl PrefillGemm {
     /// The kernel that runs this GEMM on `tile` fed by `feed` (static names: no allocation per
-    /// launch); `None` for the pairs no kernel implements: TMA on 32-token tiles, wide tiles fed
-    /// by cp.async or multicast ([`PrefillTile::for_feed`] and [`PrefillFeed::choose`] never
+    /// launch); `None` for the pairs no kernel implements: TMA on 32-token tiles, wide and dual
+    /// tiles fed by cp.async or multicast ([`PrefillTile::for_feed`] and [`PrefillFeed::choose`] never
     /// pick them).
     fn kernel(self, tile: PrefillTile, feed: PrefillFeed) -> Option<&'static str> {
         use PrefillFeed::{CpAsync, Tma, TmaMulticast};
         use PrefillGemm::{Gemm1Gated, Gemm1Plain, Gemm2};
-        use PrefillTile::{Large, Small, Wide};
+        use PrefillTile::{Dual, Large, Small, Wide};
         Some(match (tile, feed, self) {
             (Small, CpAsync, Gemm1Gated) => "prefill_small_gemm1_gated",
             (Small, CpAsync, Gemm1Plain) => "prefill_small_gemm1_plain",
@@ -852,7 +895,12 @@ impl PrefillGemm {
             (Wide, Tma, Gemm1Gated) => "prefill_wide_gemm1_gated",
             (Wide, Tma, Gemm1Plain) => "prefill_wide_gemm1_plain",
             (Wide, Tma, Gemm2) => "prefill_wide_gemm2",
-            (Small, Tma | TmaMulticast, _) | (Wide, CpAsync | TmaMulticast, _) => return None,
+            (Dual, Tma, Gemm1Gated) => "prefill_dual_gemm1_gated",
+            (Dual, Tma, Gemm1Plain) => "prefill_dual_gemm1_plain",
+            (Dual, Tma, Gemm2) => "prefill_dual_gemm2",
+            (Small, Tma | TmaMulticast, _) | (Wide | Dual, CpAsync | TmaMulticast, _) => {
+                return None
+            }
         })
     }
 }
@@ -886,7 +934,7 @@ impl PrefillFeed {
     /// weight-row tiles on `arch`: TMA needs sm_90a, the 128- or 256-token tiles, a row stride
     /// that is a multiple of 16 bytes and an operand at least one box (64 × 64) large;
     /// multicast pairs row tiles, so it needs an even count (an odd one would add a tile of zero
-    /// rows), and runs on the 128-token tiles only. Every feed uses the tile's ring
+    /// rows), and runs on the 128-token tiles (not the dual ones) only. Every feed uses the tile's ring
     /// ([`PrefillTile::shared_bytes`]).
     pub fn choose(
         tile: PrefillTile,
@@ -900,7 +948,9 @@ impl PrefillFeed {
             return PrefillFeed::CpAsync;
         }
         match forced.unwrap_or(PrefillFeed::Tma) {
-            PrefillFeed::TmaMulticast if row_tiles % 2 == 1 || tile == PrefillTile::Wide => {
+            PrefillFeed::TmaMulticast
+                if row_tiles % 2 == 1 || matches!(tile, PrefillTile::Wide | PrefillTile::Dual) =>
+            {
                 PrefillFeed::Tma
             }
             feed => feed,
@@ -1182,6 +1232,7 @@ impl CudaLayer {
             decode_kernel: None,
             prefill_feed: None,
             prefill_tile: None,
+            router_kernel: None,
             stream_units: None,
             stage_limit: None,
         })
@@ -1222,6 +1273,12 @@ impl CudaLayer {
     /// to the 128-token one where the TMA feed does not apply.
     pub fn set_prefill_tile(&mut self, tile: Option<PrefillTile>) {
         self.prefill_tile = tile;
+    }
+
+    /// Forces how later forwards compute router logits from 1024 tokens (`None`:
+    /// `FP4MOE_ROUTER`, else chosen per batch size).
+    pub fn set_router_kernel(&mut self, kernel: Option<RouterKernel>) {
+        self.router_kernel = kernel;
     }
 
     /// Forces the row-group units per block of the streaming decode kernels (1, 2 or 4; `None`:
@@ -1473,15 +1530,32 @@ impl CudaLayer {
             None => {
                 let router = self.router_weight()?;
                 // A warp per logit keeps the latency low for a few tokens; from
-                // ROUTER_TILED_FROM tokens the shared-memory tiled kernel reads x and the
-                // router weight 64 times less often.
+                // ROUTER_TILED_FROM tokens a shared-memory tiled kernel reads x and the router
+                // weight 32 to 64 times less often.
+                // Split TF32 on tensor cores in small tiles where the SIMT kernel's 64 x 64
+                // tiles would leave half the SMs idle (runs 58–59: 1024 tokens of Nemotron
+                // −46 µs; slower than SIMT from 4096).
+                let simt_blocks = ws.tokens.div_ceil(64) * self.spec.shape.experts.div_ceil(64);
+                let kernel = self
+                    .router_kernel
+                    .or_else(RouterKernel::from_env)
+                    .unwrap_or(if 2 * simt_blocks < self.dev.sms {
+                        RouterKernel::Tf32x3
+                    } else {
+                        RouterKernel::Simt
+                    });
                 let (name, cfg) = if ws.tokens >= ROUTER_TILED_FROM {
+                    // Tiles of 64 tokens x 64 experts (SIMT) or 32 x 32 (TF32).
+                    let (name, tile, threads) = match kernel {
+                        RouterKernel::Simt => ("router_logits_tiled", (64, 64), 256),
+                        RouterKernel::Tf32x3 => ("router_logits_tf32x3", (32, 32), 128),
+                    };
                     let cfg = LaunchConfig {
-                        grid_dim: ((t as u32).div_ceil(64), (e as u32).div_ceil(64), 1),
-                        block_dim: (256, 1, 1),
+                        grid_dim: ((t as u32).div_ceil(tile.0), (e as u32).div_ceil(tile.1), 1),
+                        block_dim: (threads, 1, 1),
                         shared_mem_bytes: 0,
                     };
-                    ("router_logits_tiled", cfg)
+                    (name, cfg)
                 } else {
                     // 32 warps for sliced logits, 8 (a logit each) beyond: the launch shape of
                     // the warp-per-logit kernel before slicing (KERNEL_NOTES run 32).
@@ -1758,7 +1832,10 @@ impl CudaLayer {
                 PrefillFeed::choose(tile, k as usize, pairs, row_tiles, &self.dev.arch, forced)
             };
             let tile = match forced_tile {
-                None => tile.for_k(k as usize),
+                None => {
+                    let per_expert = pairs / slots.max(1);
+                    tile.for_k(k as usize, per_expert, self.dev.max_shared_bytes)
+                }
                 Some(_) => tile,
             };
             let tile = tile.for_feed(choose(tile));
@@ -2341,6 +2418,10 @@ mod tests {
     #[test]
     fn router_launch_constants_match_the_kernels() {
         assert_eq!(compile::kernel_define("routing.cu", "RL_WARPS"), 32);
+        // The tiled launches' blocks (64 x 64 SIMT, 32 x 32 TF32).
+        assert_eq!(compile::kernel_define("routing.cu", "RL_TILE"), 64);
+        assert_eq!(compile::kernel_define("routing.cu", "RT_TOK"), 32);
+        assert_eq!(compile::kernel_define("routing.cu", "RT_EXP"), 32);
         let routing_cuh = compile::kernel_text("routing.cuh");
         assert!(routing_cuh.contains(&format!("#define RL_SLICES {ROUTER_SLICES}\n")));
         let max = format!("#define RL_SLICED_MAX_LOGITS {ROUTER_SLICED_MAX_LOGITS}\n");
@@ -2491,16 +2572,22 @@ mod tests {
         let (h200, sm89) = (227 * 1024, 99 * 1024);
         // Nemotron-3 Nano: 512 tokens = 24 per expert, 1024 = 48, 4096 = 192.
         let tile = |pairs, smem, forced| PrefillTile::choose(pairs, 128, smem, forced);
+        let (dual, wide) = (PrefillTile::Dual, PrefillTile::Wide);
         assert_eq!(tile(512 * 6, h200, None), PrefillTile::Small);
-        assert_eq!(tile(1024 * 6, h200, None), PrefillTile::Large);
-        assert_eq!(tile(4096 * 6, h200, None), PrefillTile::Wide);
+        assert_eq!(tile(1024 * 6, h200, None), dual);
+        assert_eq!(tile(4096 * 6, h200, None), dual);
+        assert_eq!(tile(16384 * 6, h200, None), dual);
         assert_eq!(tile(4096 * 6, sm89, None), PrefillTile::Small);
-        assert_eq!(tile(6, h200, Some(PrefillTile::Wide)), PrefillTile::Wide);
-        // A100 (163 KB) holds a 128-token tile, not a wide one.
-        assert_eq!(tile(4096 * 6, 163 * 1024, None), PrefillTile::Large);
-        assert!(PrefillTile::Wide.shared_bytes() <= h200);
-        assert_eq!(tile(32 * 128, h200, None), PrefillTile::Large);
+        assert_eq!(tile(6, h200, Some(wide)), wide);
+        // A100 (163 KB) holds a 128-token tile (dual ones fall back to it: no TMA there), not
+        // a wide one.
+        assert_eq!(tile(4096 * 6, 163 * 1024, None), dual);
+        assert_eq!(dual.for_feed(PrefillFeed::CpAsync), PrefillTile::Large);
+        assert!(wide.shared_bytes() <= h200);
+        assert_eq!(tile(32 * 128, h200, None), dual);
+        assert_eq!(tile(31 * 128, h200, None), PrefillTile::Small);
         assert_eq!(tile(1024 * 6, sm89, None), PrefillTile::Small);
+        assert_eq!(tile(1024 * 6, 120 * 1024, None), PrefillTile::Small);
         let forced = Some(PrefillTile::Large);
         assert_eq!(tile(6, h200, forced), PrefillTile::Large);
         assert_eq!(tile(6, sm89, forced), PrefillTile::Small);
@@ -2508,14 +2595,25 @@ mod tests {
             tile(1 << 20, h200, Some(PrefillTile::Small)),
             PrefillTile::Small
         );
-        assert_eq!(tile(1 << 20, 163 * 1024, None), PrefillTile::Large);
-        // Wide tiles by default only from K = 1024, and only TMA-fed.
-        let wide = PrefillTile::Wide;
-        assert_eq!(wide.for_k(768), PrefillTile::Large);
-        assert_eq!(wide.for_k(1856), wide);
-        assert_eq!(PrefillTile::Small.for_k(4096), PrefillTile::Small);
+        // Wide tiles from 256 tokens per expert and K = 1024 where they fit.
+        assert_eq!(dual.for_k(2688, 768, h200), wide);
+        assert_eq!(dual.for_k(1024, 256, h200), wide);
+        assert_eq!(dual.for_k(2688, 255, h200), dual);
+        assert_eq!(dual.for_k(1023, 768, h200), dual);
+        assert_eq!(dual.for_k(2688, 768, 163 * 1024), dual);
+        let small = PrefillTile::Small;
+        assert_eq!(small.for_k(2688, 768, h200), small);
         assert_eq!(wide.for_feed(PrefillFeed::CpAsync), PrefillTile::Large);
         assert_eq!(wide.for_feed(PrefillFeed::Tma), wide);
+        // Dual tiles are TMA-fed only (elsewhere the 128-token tiles run, so a device must
+        // hold those too).
+        assert_eq!(tile(4096 * 6, h200, Some(dual)), dual);
+        assert_eq!(tile(4096 * 6, 163 * 1024, Some(dual)), dual);
+        assert_eq!(tile(4096 * 6, 120 * 1024, Some(dual)), PrefillTile::Small);
+        assert_eq!(tile(4096 * 6, sm89, Some(dual)), PrefillTile::Small);
+        assert_eq!(dual.for_feed(PrefillFeed::Tma), dual);
+        // Two blocks (and their 1 KB of reserved shared memory each) fit an H100/H200 SM.
+        assert!(2 * (dual.shared_bytes() + 1024) <= 228 * 1024);
         assert_eq!(
             PrefillTile::Large.for_feed(PrefillFeed::CpAsync),
             PrefillTile::Large
@@ -2541,6 +2639,9 @@ mod tests {
         assert_eq!(choose(w, 2688, 8, "sm_90a", None), Tma);
         assert_eq!(choose(w, 2688, 8, "sm_90a", Some(TmaMulticast)), Tma);
         assert_eq!(choose(w, 2688, 8, "sm_80", None), CpAsync);
+        let d = PrefillTile::Dual;
+        assert_eq!(choose(d, 2688, 8, "sm_90a", Some(TmaMulticast)), Tma);
+        assert_eq!(choose(d, 2688, 8, "sm_80", None), CpAsync);
         // Not applicable: cp.async whatever was asked for.
         assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(Tma)), CpAsync);
         assert_eq!(choose(l, 2688, 8, "sm_90", Some(Tma)), CpAsync);
@@ -2552,7 +2653,7 @@ mod tests {
         assert_eq!(few_rows, CpAsync);
         assert_eq!(TmaMulticast.cluster(), 2);
         assert_eq!(Tma.cluster(), 1);
-        for (tile, feed) in [(l, Tma), (l, TmaMulticast), (w, Tma)] {
+        for (tile, feed) in [(l, Tma), (l, TmaMulticast), (w, Tma), (d, Tma)] {
             for gemm in [
                 PrefillGemm::Gemm1Gated,
                 PrefillGemm::Gemm1Plain,
@@ -2561,6 +2662,7 @@ mod tests {
                 let name = gemm.kernel(tile, feed).unwrap();
                 assert_eq!(name.contains("tma2"), feed == TmaMulticast, "{name}");
                 assert_eq!(name.contains("wide"), tile == w, "{name}");
+                assert_eq!(name.contains("dual"), tile == d, "{name}");
             }
         }
     }
@@ -2573,14 +2675,17 @@ mod tests {
         use PrefillTile::*;
         let names = compile::kernel_names("prefill_gemm.cu");
         let mut launched = 0;
-        for tile in [Small, Large, Wide] {
+        for tile in [Small, Large, Wide, Dual] {
             for feed in [CpAsync, Tma, TmaMulticast] {
                 for gemm in [
                     PrefillGemm::Gemm1Gated,
                     PrefillGemm::Gemm1Plain,
                     PrefillGemm::Gemm2,
                 ] {
-                    let valid = matches!((tile, feed), (Small, CpAsync) | (Large, _) | (Wide, Tma));
+                    let valid = matches!(
+                        (tile, feed),
+                        (Small, CpAsync) | (Large, _) | (Wide | Dual, Tma)
+                    );
                     match gemm.kernel(tile, feed) {
                         Some(name) => {
                             assert!(valid, "{tile:?} {feed:?}");
