@@ -159,6 +159,10 @@ __device__ __forceinline__ void mma_bf16_16816(float d[4], const u32 a[4], u32 b
 __device__ __forceinline__ u32 bf16x2_bits(__nv_bfloat162 v) {
     return *reinterpret_cast<u32*>(&v);
 }
+// Four floats rounded to bf16 (nearest even), packed in memory order for one 8-byte store.
+__device__ __forceinline__ uint2 bf16x4_bits(float a, float b, float c, float d) {
+    return make_uint2(bf16x2_bits(__floats2bfloat162_rn(a, b)), bf16x2_bits(__floats2bfloat162_rn(c, d)));
+}
 
 __device__ __forceinline__ __nv_bfloat162 bits_bf16x2(u32 v) {
     return *reinterpret_cast<__nv_bfloat162*>(&v);

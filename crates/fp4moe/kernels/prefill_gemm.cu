@@ -441,11 +441,8 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
             // The 16-row block is this item and its neighbour lane's (the other 8 rows).
             if (p.gs_out > 0.0f) nvfp4_qdq_block<8, 1, 2>(v, p.gs_out, inv_gs);
             if (ok) {
-                uint4 o;
-                o.x = bf16x2_bits(__floats2bfloat162_rn(v[0], v[1]));
-                o.y = bf16x2_bits(__floats2bfloat162_rn(v[2], v[3]));
-                o.z = bf16x2_bits(__floats2bfloat162_rn(v[4], v[5]));
-                o.w = bf16x2_bits(__floats2bfloat162_rn(v[6], v[7]));
+                const uint2 lo = bf16x4_bits(v[0], v[1], v[2], v[3]), hi = bf16x4_bits(v[4], v[5], v[6], v[7]);
+                const uint4 o = make_uint4(lo.x, lo.y, hi.x, hi.y);
                 *reinterpret_cast<uint4*>(p.g_out + (size_t)(base + lt) * p.out_stride + rg0 * 16 + row) = o;
             }
         }

@@ -8,10 +8,6 @@
 #pragma once
 #include "common.cuh"
 
-__device__ __forceinline__ uint2 bf16x4_bits(float a, float b, float c, float d) {
-    return make_uint2(bf16x2_bits(__floats2bfloat162_rn(a, b)), bf16x2_bits(__floats2bfloat162_rn(c, d)));
-}
-
 // Row xr[0..hidden) → ar (and sr unless null) by the threads tid = 0 .. nthreads − 1 of a group
 // of whole warps (nthreads a multiple of 32, tid's lane = threadIdx's lane). hidden % 16 == 0
 // (the spec checks it). Each thread takes 4 consecutive elements per step: 16-byte loads and
