@@ -90,12 +90,15 @@ extern "C" __global__ void __launch_bounds__(256) router_logits_tiled(const floa
 // slower than the SIMT kernel once either fills the GPU). 32-k chunks go through an
 // RT_STAGES-deep cp.async ring, row-major with a 36-float row stride: the fragment reads (row
 // g + const, column q + const of an 8 x 4 lane grid) and the 16-byte copies are free of bank
-// conflicts. Needs hidden % 4 == 0 and sm_80.
+// conflicts. Needs hidden % 4 == 0 and sm_80. Non-finite operands: hi = ±inf makes lo = NaN, so
+// an infinite input gives a NaN logit where the f32 sum gives ±inf (both are outside what a
+// layer's activations and router weights hold).
 #define RT_TOK 32
 #define RT_EXP 32
 #define RT_K 32
 #define RT_LD 36
 #define RT_STAGES 3
+#define RT_THREADS 128
 __device__ __forceinline__ void split_tf32(float v, u32& hi, u32& lo) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(v));
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(v - __uint_as_float(hi)));
@@ -107,10 +110,10 @@ __device__ __forceinline__ void mma_tf32_1688(float d[4], const u32 a[4], const 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-extern "C" __global__ void __launch_bounds__(128) router_logits_tf32x3(const float* __restrict__ x, const float* __restrict__ w,
+extern "C" __global__ void __launch_bounds__(RT_THREADS) router_logits_tf32x3(const float* __restrict__ x, const float* __restrict__ w,
                                                                          float* __restrict__ logits, int tokens, int hidden,
                                                                          int experts) {
-    constexpr int TOK = RT_TOK, THREADS = 128;
+    constexpr int TOK = RT_TOK, THREADS = RT_THREADS;
     __shared__ __align__(16) float xs[RT_STAGES][TOK][RT_LD];
     __shared__ __align__(16) float ws[RT_STAGES][RT_EXP][RT_LD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;

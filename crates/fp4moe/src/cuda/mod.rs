@@ -673,6 +673,9 @@ fn router_logits_per_block(logits: usize) -> usize {
     32 / router_slices(logits)
 }
 
+/// Threads per block of `router_logits_tf32x3` (`RT_THREADS`).
+const ROUTER_TF32_THREADS: u32 = 128;
+
 /// Token count from which router logits come from the tiled kernel.
 const ROUTER_TILED_FROM: usize = 1024;
 
@@ -681,9 +684,10 @@ const ROUTER_TILED_FROM: usize = 1024;
 pub enum RouterKernel {
     /// `router_logits_tiled`: f32 FMAs, each logit one thread's sequential sum over k.
     Simt,
-    /// `router_logits_tf32x3*`: tensor cores in split TF32 (three MMAs per product, f32
+    /// `router_logits_tf32x3`: tensor cores in split TF32 (three MMAs per product, f32
     /// accumulation), relative error ~1e-6 against an f32 sum. The default where the SIMT
-    /// kernel's tiles would fill less than half the SMs (1024 tokens of 128 experts).
+    /// kernel's tiles would fill less than half the SMs (on 132 SMs and 128 experts, 1024 to
+    /// 2047 tokens; measured at 1024).
     Tf32x3,
 }
 
@@ -705,7 +709,7 @@ pub enum GemmPath {
     /// `expert_gemm.cu`: split-K mma.sync streaming, for few tokens per expert.
     Decode,
     /// `prefill_gemm.cu`: tensor-core tiles (wgmma on sm_90a) of 32 or 128 tokens over 256
-    /// weight rows, or 256 tokens over 128 rows ([`PrefillTile`]).
+    /// weight rows, or 128 (two blocks per SM) or 256 tokens over 128 rows ([`PrefillTile`]).
     Prefill,
 }
 
@@ -1548,7 +1552,9 @@ impl CudaLayer {
                     // Tiles of 64 tokens x 64 experts (SIMT) or 32 x 32 (TF32).
                     let (name, tile, threads) = match kernel {
                         RouterKernel::Simt => ("router_logits_tiled", (64, 64), 256),
-                        RouterKernel::Tf32x3 => ("router_logits_tf32x3", (32, 32), 128),
+                        RouterKernel::Tf32x3 => {
+                            ("router_logits_tf32x3", (32, 32), ROUTER_TF32_THREADS)
+                        }
                     };
                     let cfg = LaunchConfig {
                         grid_dim: ((t as u32).div_ceil(tile.0), (e as u32).div_ceil(tile.1), 1),
@@ -2422,6 +2428,10 @@ mod tests {
         assert_eq!(compile::kernel_define("routing.cu", "RL_TILE"), 64);
         assert_eq!(compile::kernel_define("routing.cu", "RT_TOK"), 32);
         assert_eq!(compile::kernel_define("routing.cu", "RT_EXP"), 32);
+        assert_eq!(
+            compile::kernel_define("routing.cu", "RT_THREADS"),
+            ROUTER_TF32_THREADS as usize
+        );
         let routing_cuh = compile::kernel_text("routing.cuh");
         assert!(routing_cuh.contains(&format!("#define RL_SLICES {ROUTER_SLICES}\n")));
         let max = format!("#define RL_SLICED_MAX_LOGITS {ROUTER_SLICED_MAX_LOGITS}\n");
