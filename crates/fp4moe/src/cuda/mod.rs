@@ -784,11 +784,11 @@ impl PrefillTile {
         } else {
             PrefillTile::Small
         });
-        // A dual tile falls back to a 128-token one where the TMA feed does not apply
+        // A TMA-only tile falls back to a 128-token one where the TMA feed does not apply
         // (`for_feed`), so it needs a device that holds that one too.
-        let fits = |t: PrefillTile| match t {
-            PrefillTile::Dual => PrefillTile::Large.shared_bytes() <= max_shared_bytes,
-            t => t.shared_bytes() <= max_shared_bytes,
+        let fits = |t: PrefillTile| {
+            t.shared_bytes() <= max_shared_bytes
+                && (!t.tma_only() || PrefillTile::Large.shared_bytes() <= max_shared_bytes)
         };
         [wanted, PrefillTile::Large, PrefillTile::Small]
             .into_iter()
@@ -811,10 +811,16 @@ impl PrefillTile {
         }
     }
 
-    /// This tile, or the 128-token one where a wide or dual tile would need the TMA feed and
-    /// `feed` is cp.async.
+    /// Whether the tile's kernels exist only TMA-fed with one CTA (the 8-slot wide and dual
+    /// tiles: no cp.async or multicast variants).
+    pub const fn tma_only(self) -> bool {
+        matches!(self, PrefillTile::Wide | PrefillTile::Dual)
+    }
+
+    /// This tile, or the 128-token one where a TMA-only tile ([`PrefillTile::tma_only`]) would
+    /// need the TMA feed and `feed` is cp.async.
     pub fn for_feed(self, feed: PrefillFeed) -> Self {
-        if matches!(self, PrefillTile::Wide | PrefillTile::Dual) && feed == PrefillFeed::CpAsync {
+        if self.tma_only() && feed == PrefillFeed::CpAsync {
             PrefillTile::Large
         } else {
             self
@@ -952,11 +958,7 @@ impl PrefillFeed {
             return PrefillFeed::CpAsync;
         }
         match forced.unwrap_or(PrefillFeed::Tma) {
-            PrefillFeed::TmaMulticast
-                if row_tiles % 2 == 1 || matches!(tile, PrefillTile::Wide | PrefillTile::Dual) =>
-            {
-                PrefillFeed::Tma
-            }
+            PrefillFeed::TmaMulticast if row_tiles % 2 == 1 || tile.tma_only() => PrefillFeed::Tma,
             feed => feed,
         }
     }
