@@ -7,6 +7,26 @@ extern "C" __global__ void prepare_input(const float* __restrict__ x, __nv_bfloa
     prepare_row(x + row, a + row, xs ? xs + row : nullptr, hidden, gs, threadIdx.x, blockDim.x);
 }
 
+// inv[sorted[i]] = i: each routed pair's row in sorted order, for prepare_input_sorted.
+extern "C" __global__ void invert_pairs(const int* __restrict__ sorted, int* __restrict__ inv, int pairs) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < pairs) inv[sorted[i]] = i;
+}
+
+// prepare_input for a TMA-fed prefill GEMM1: token t's prepared row goes straight to its top_k
+// rows inv[t·top_k + j] of GEMM1's sorted operand (the bytes gather_rows would copy from `a`,
+// which is then not written: one pass over T·k·H bf16 instead of three). top_k <= 32.
+extern "C" __global__ void prepare_input_sorted(const float* __restrict__ x, __nv_bfloat16* __restrict__ a_sorted,
+                                                __nv_bfloat16* __restrict__ xs, const int* __restrict__ inv, int hidden,
+                                                float gs, int top_k) {
+    __shared__ int rows[32];
+    if (threadIdx.x < top_k) rows[threadIdx.x] = inv[(size_t)blockIdx.x * top_k + threadIdx.x];
+    __syncthreads();
+    size_t row = (size_t)blockIdx.x * hidden;
+    prepare_row_into(x + row, SortedRows{a_sorted, rows, top_k, hidden}, xs ? xs + row : nullptr, hidden, gs, threadIdx.x,
+                     blockDim.x);
+}
+
 // The prefill GEMM1 operand in sorted order, for TMA: out[i] = a[sorted[i] / top_k] (rows of
 // `hidden` bf16, hidden % 8 == 0), one warp per row, 16-byte copies.
 extern "C" __global__ void gather_rows(const __nv_bfloat16* __restrict__ a, const int* __restrict__ sorted,

@@ -102,7 +102,12 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "scan_pair_counts",
             "place_pairs",
         ],
-        "prepare_input.cu" => &["prepare_input", "gather_rows"],
+        "prepare_input.cu" => &[
+            "prepare_input",
+            "prepare_input_sorted",
+            "invert_pairs",
+            "gather_rows",
+        ],
         "route_small.cu" => &["route_small"],
         "combine.cu" => &["combine"],
         "prefill_gemm.cu" => &[

@@ -406,6 +406,9 @@ pub struct CudaWorkspace {
     a: CudaSlice<u16>,
     /// `a`'s rows in sorted pair order (`gather_rows`), the TMA-fed prefill GEMM1's operand.
     a_sorted: CudaSlice<u16>,
+    /// Each routed pair's row in sorted order (`invert_pairs`): where `prepare_input_sorted`
+    /// writes a token's rows of `a_sorted`.
+    pair_rows: CudaSlice<i32>,
     xs: CudaSlice<u16>,
     offsets: CudaSlice<i32>,
     sorted: CudaSlice<i32>,
@@ -1354,7 +1357,7 @@ impl CudaLayer {
             + tokens * e
             + 2 * p
             + 2 * (e + 1)
-            + p
+            + 2 * p
             + p.div_ceil(SORT_CHUNK) * e
             + 1
             + 2
@@ -1403,6 +1406,7 @@ impl CudaLayer {
             out: f(tokens * h)?,
             a: b16(tokens * h)?,
             a_sorted: b16(p * h)?,
+            pair_rows: i32s(p)?,
             xs: b16(if has_shared { tokens * h } else { 0 })?,
             offsets: i32s(e + 1)?,
             sorted: i32s(p)?,
@@ -1809,8 +1813,60 @@ impl CudaLayer {
         unsafe { self.launch_dependent(name, cfg, cluster, &mut args) }
     }
 
+    /// The tile and activation feed of one prefill GEMM of reduction length `k` and `rg` output
+    /// row groups over `pairs` pairs of at most `slots` experts (wide and dual tiles need the
+    /// TMA feed).
+    fn prefill_plan(
+        &self,
+        gemm: PrefillGemm,
+        k: usize,
+        rg: usize,
+        pairs: usize,
+        slots: usize,
+    ) -> (PrefillTile, PrefillFeed) {
+        let forced_tile = self.prefill_tile.or_else(PrefillTile::from_env);
+        let tile = PrefillTile::choose(pairs, slots, self.dev.max_shared_bytes, forced_tile);
+        let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
+        let choose = |tile: PrefillTile| {
+            let row_tiles = rg.div_ceil(tile.row_groups(gemm));
+            PrefillFeed::choose(tile, k, pairs, row_tiles, &self.dev.arch, forced)
+        };
+        let tile = match forced_tile {
+            None => tile.for_k(k, pairs / slots.max(1), self.dev.max_shared_bytes),
+            Some(_) => tile,
+        };
+        let tile = tile.for_feed(choose(tile));
+        (tile, choose(tile))
+    }
+
+    /// GEMM1's prefill kernel for this layer's activation.
+    fn prefill_gemm1(&self) -> PrefillGemm {
+        if self.spec.activation.is_gated() {
+            PrefillGemm::Gemm1Gated
+        } else {
+            PrefillGemm::Gemm1Plain
+        }
+    }
+
+    /// Whether the routed GEMM1 of a `tokens`-token batch reads its operand in sorted pair order
+    /// (`a_sorted`: NVFP4 weights on the prefill path with a TMA feed), so that the input
+    /// preparation writes it there directly (`prepare_input_sorted`) instead of `gather_rows`
+    /// copying it from `a`.
+    fn gemm1_reads_sorted(&self, tokens: usize) -> bool {
+        let (e, pairs) = (self.spec.shape.experts, tokens * self.spec.routing.top_k);
+        let slots = pairs.min(e);
+        let (h, rg1) = (self.spec.shape.hidden, self.spec.shape.intermediate / 16);
+        self.w13.nvfp4
+            && self.path_for(pairs, e) == GemmPath::Prefill
+            && self
+                .prefill_plan(self.prefill_gemm1(), h, rg1, pairs, slots)
+                .1
+                != PrefillFeed::CpAsync
+    }
+
     /// GEMM1 then GEMM2 of one projection pair through the path `path` (bf16 weights always
-    /// take the decode kernels).
+    /// take the decode kernels). `gathered`: for the routed experts, `a_sorted` and whether the
+    /// input preparation already wrote it (else `gather_rows` does, where GEMM1 reads it).
     #[allow(clippy::too_many_arguments)]
     fn expert_gemms(
         &self,
@@ -1822,7 +1878,7 @@ impl CudaLayer {
         pairs: usize,
         slots: usize,
         tokens: usize,
-        gathered: Option<u64>,
+        gathered: Option<(u64, bool)>,
     ) -> Result<()> {
         let routed = gathered.is_some();
         let gated = self.spec.activation.is_gated();
@@ -1830,35 +1886,23 @@ impl CudaLayer {
         // Experts a one-token batch touches: top-k routed, the one shared expert.
         let one_token_slots = if routed { self.spec.routing.top_k } else { 1 };
         let (rg1, rg2) = (p1.rg_out as usize, p2.rg_out as usize);
-        let forced_tile = self.prefill_tile.or_else(PrefillTile::from_env);
-        let tile = PrefillTile::choose(pairs, slots, self.dev.max_shared_bytes, forced_tile);
-        // Per GEMM: the feed, and the tile it can run (wide tiles need the TMA feed).
-        let feed = |k: i32, gemm: PrefillGemm, rg: usize| {
-            let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
-            let choose = |tile: PrefillTile| {
-                let row_tiles = rg.div_ceil(tile.row_groups(gemm));
-                PrefillFeed::choose(tile, k as usize, pairs, row_tiles, &self.dev.arch, forced)
-            };
-            let tile = match forced_tile {
-                None => {
-                    let per_expert = pairs / slots.max(1);
-                    tile.for_k(k as usize, per_expert, self.dev.max_shared_bytes)
-                }
-                Some(_) => tile,
-            };
-            let tile = tile.for_feed(choose(tile));
-            (tile, choose(tile))
-        };
-        let gemm1 = if gated {
-            PrefillGemm::Gemm1Gated
-        } else {
-            PrefillGemm::Gemm1Plain
-        };
-        let (tile1, feed1) = feed(p1.k, gemm1, rg1);
-        let (tile2, feed2) = feed(p2.k, PrefillGemm::Gemm2, rg2);
+        let gemm1 = self.prefill_gemm1();
+        let (tile1, feed1) = self.prefill_plan(gemm1, p1.k as usize, rg1, pairs, slots);
+        let (tile2, feed2) =
+            self.prefill_plan(PrefillGemm::Gemm2, p2.k as usize, rg2, pairs, slots);
         // bf16 weights always take the decode kernels.
         let prefill1 = path == GemmPath::Prefill && w13.nvfp4;
         let prefill2 = path == GemmPath::Prefill && w2.nvfp4;
+        let reads_sorted = prefill1 && feed1 != PrefillFeed::CpAsync;
+        if let Some((_, true)) = gathered {
+            // The input preparation wrote only `a_sorted`: `a` holds nothing for another path.
+            if !reads_sorted {
+                return Err(Error::Cuda {
+                    stage: "expert GEMMs",
+                    message: "internal: operand prepared in sorted order for a GEMM1 that reads it by token".into(),
+                });
+            }
+        }
         // Both grids are checked before either GEMM launches (the tiles may differ).
         if prefill1 {
             prefill_token_tiles(tile1, pairs, slots)?;
@@ -1874,8 +1918,10 @@ impl CudaLayer {
                 rows: pairs,
                 stride: p1.k as usize,
             };
-            if let (Some(dst), true) = (gathered, feed1 != PrefillFeed::CpAsync) {
-                self.gather_rows(p1, dst, pairs)?;
+            if let (Some((dst, prepared)), true) = (gathered, reads_sorted) {
+                if !prepared {
+                    self.gather_rows(p1, dst, pairs)?;
+                }
                 rows.ptr = dst;
             }
             self.prefill_gemm(gemm, tile1, feed1, rows, p1, rg1, pairs, slots)?;
@@ -2012,8 +2058,10 @@ impl CudaLayer {
     }
 
     /// Split path after routing: groups the pairs of `ws.ids` by expert (`sort_pairs.cu`) and
-    /// prepares the GEMM operand `ws.a` (and `ws.xs` for the shared expert) from `ws.x`.
-    fn group_device(&self, ws: &CudaWorkspace) -> Result<()> {
+    /// prepares the GEMM operand from `ws.x`: `ws.a`, or, with `sorted`, GEMM1's rows in sorted
+    /// pair order `ws.a_sorted` ([`CudaLayer::gemm1_reads_sorted`]); `ws.xs` for the shared
+    /// expert either way.
+    fn group_device(&self, ws: &CudaWorkspace, sorted: bool) -> Result<()> {
         let st = &self.dev.stream;
         let s = &self.spec;
         let (t, h) = (ws.tokens, s.shape.hidden);
@@ -2033,8 +2081,34 @@ impl CudaLayer {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch("prepare_input", cfg, |b| {
-            b.arg(&x).arg(&a).arg(&xs).arg(&hid).arg(&gs);
+        if !sorted {
+            return self.launch("prepare_input", cfg, |b| {
+                b.arg(&x).arg(&a).arg(&xs).arg(&hid).arg(&gs);
+            });
+        }
+        let (srt, rows, a_sorted) = (
+            ptr(&ws.sorted, st),
+            ptr(&ws.pair_rows, st),
+            ptr(&ws.a_sorted, st),
+        );
+        let n = p as i32;
+        let invert = LaunchConfig {
+            grid_dim: (p.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("invert_pairs", invert, |b| {
+            b.arg(&srt).arg(&rows).arg(&n);
+        })?;
+        let k = s.routing.top_k as i32;
+        self.launch("prepare_input_sorted", cfg, |b| {
+            b.arg(&x)
+                .arg(&a_sorted)
+                .arg(&xs)
+                .arg(&rows)
+                .arg(&hid)
+                .arg(&gs)
+                .arg(&k);
         })
     }
 
@@ -2102,16 +2176,24 @@ impl CudaLayer {
         if ws.tokens == 0 {
             return Ok(()); // a zero-sized grid is not a valid launch
         }
-        match self.route_path_for(ws.tokens) {
-            RoutePath::Fused => self.route_small(ws, RouteSource::Ids)?,
-            RoutePath::Split => self.group_device(ws)?,
-        }
-        self.gemms_device(ws)
+        let sorted = match self.route_path_for(ws.tokens) {
+            RoutePath::Fused => {
+                self.route_small(ws, RouteSource::Ids)?;
+                false
+            }
+            RoutePath::Split => {
+                let sorted = self.gemm1_reads_sorted(ws.tokens);
+                self.group_device(ws, sorted)?;
+                sorted
+            }
+        };
+        self.gemms_device(ws, sorted)
     }
 
     /// Expert GEMMs, shared expert and combine over a grouped and prepared batch (`ws.offsets`
-    /// … and `ws.a` / `ws.xs` written by [`CudaLayer::group_device`] or `route_small`).
-    fn gemms_device(&self, ws: &CudaWorkspace) -> Result<()> {
+    /// … and `ws.a` / `ws.xs` written by [`CudaLayer::group_device`] or `route_small`; with
+    /// `sorted`, `ws.a_sorted` in place of `ws.a`).
+    fn gemms_device(&self, ws: &CudaWorkspace, sorted: bool) -> Result<()> {
         if self.stops_after(1) {
             return Ok(());
         }
@@ -2167,7 +2249,7 @@ impl CudaLayer {
             act_alpha: self.gs2.map_or(1.0, |gs| 1.0 / gs),
             ..grouping.params(base(&self.w2))
         };
-        let gathered = Some(ptr(&ws.a_sorted, st));
+        let gathered = Some((ptr(&ws.a_sorted, st), sorted));
         self.expert_gemms(path, &self.w13, &self.w2, p1, p2, p, slots, t, gathered)?;
         if self.stops_after(2) {
             return Ok(());
@@ -2244,17 +2326,20 @@ impl CudaLayer {
         if ws.tokens == 0 {
             return Ok(());
         }
-        match self.route_path_for(ws.tokens) {
+        let sorted = match self.route_path_for(ws.tokens) {
             RoutePath::Fused => {
                 let source = logits.map_or(RouteSource::Router, RouteSource::Logits);
                 self.route_small(ws, source)?;
+                false
             }
             RoutePath::Split => {
                 self.route_device(ws, logits)?;
-                self.group_device(ws)?;
+                let sorted = self.gemm1_reads_sorted(ws.tokens);
+                self.group_device(ws, sorted)?;
+                sorted
             }
-        }
-        self.gemms_device(ws)
+        };
+        self.gemms_device(ws, sorted)
     }
 }
 
