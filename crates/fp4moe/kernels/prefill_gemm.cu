@@ -32,7 +32,8 @@
 // Both leave the accumulators in the fragment order the epilogues expect.
 //
 // TMA feed (prefill_tma*, prefill_wide_*, prefill_dual_*, sm_90a): the activation rows are read in sorted pair
-// order from a tensor map (GEMM1's operand gathered by gather_rows first), thread 0 loading each
+// order from a tensor map (GEMM1's operand written in that order by prepare_input_sorted, or
+// copied by gather_rows), thread 0 loading each
 // chunk's NC x 64 box with one TMA box per 64 columns onto the stage's mbarrier, in the
 // 128-byte-swizzled layout of smem_desc_sw128 (row n at n·128 bytes, 16-byte pieces XORed with
 // n % 8). The weights keep their cp.async copies. prefill_tma2_*: 2-CTA clusters sharing the

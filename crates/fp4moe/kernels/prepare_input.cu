@@ -15,7 +15,8 @@ extern "C" __global__ void invert_pairs(const int* __restrict__ sorted, int* __r
 
 // prepare_input for a TMA-fed prefill GEMM1: token t's prepared row goes straight to its top_k
 // rows inv[t·top_k + j] of GEMM1's sorted operand (the bytes gather_rows would copy from `a`,
-// which is then not written: one pass over T·k·H bf16 instead of three). top_k <= 32.
+// which is then not written: T·k·H bf16 written once, where prepare_input and gather_rows wrote
+// T·H, read T·k·H and wrote T·k·H). top_k <= 32 (check_limits).
 extern "C" __global__ void prepare_input_sorted(const float* __restrict__ x, __nv_bfloat16* __restrict__ a_sorted,
                                                 __nv_bfloat16* __restrict__ xs, const int* __restrict__ inv, int hidden,
                                                 float gs, int top_k) {
@@ -23,7 +24,7 @@ extern "C" __global__ void prepare_input_sorted(const float* __restrict__ x, __n
     if (threadIdx.x < top_k) rows[threadIdx.x] = inv[(size_t)blockIdx.x * top_k + threadIdx.x];
     __syncthreads();
     size_t row = (size_t)blockIdx.x * hidden;
-    prepare_row_into(x + row, SortedRows{a_sorted, rows, top_k, hidden}, xs ? xs + row : nullptr, hidden, gs, threadIdx.x,
+    prepare_row_into(x + row, PairRows{a_sorted, rows, top_k, hidden}, xs ? xs + row : nullptr, hidden, gs, threadIdx.x,
                      blockDim.x);
 }
 

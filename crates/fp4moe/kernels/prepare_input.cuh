@@ -15,7 +15,7 @@ struct OneRow {
 };
 // Several destination rows: the token's top_k rows of GEMM1's operand in sorted pair order
 // (prepare_input_sorted), rows[j] < 0 never (each pair has one sorted position).
-struct SortedRows {
+struct PairRows {
     __nv_bfloat16* base;
     const int* rows;  // shared memory, n entries
     int n, hidden;

@@ -3,7 +3,7 @@
 //! synchronization, so a caller can capture [`CudaLayer::forward_device`] in a CUDA graph:
 //!
 //! ```text
-//! router_logits? → route_topk → sort_pairs → prepare_input → gemm1 (+act, W4A4 QDQ) → gemm2
+//! router_logits? → route_topk → sort_pairs → prepare_input(_sorted) → gemm1 (+act, W4A4 QDQ) → gemm2
 //!               (shared expert: gemm1 → gemm2) → combine → y [T, H]
 //! ```
 //! Small batches ([`RoutePath`]) run the first four stages as one launch, `route_small`, on the
@@ -404,7 +404,8 @@ pub struct CudaWorkspace {
     pub weights: CudaSlice<f32>,
     pub out: CudaSlice<f32>,
     a: CudaSlice<u16>,
-    /// `a`'s rows in sorted pair order (`gather_rows`), the TMA-fed prefill GEMM1's operand.
+    /// `a`'s rows in sorted pair order, the TMA-fed prefill GEMM1's operand: written by
+    /// `prepare_input_sorted` on the split routing path, else copied from `a` by `gather_rows`.
     a_sorted: CudaSlice<u16>,
     /// Each routed pair's row in sorted order (`invert_pairs`): where `prepare_input_sorted`
     /// writes a token's rows of `a_sorted`.
