@@ -85,6 +85,107 @@ extern "C" __global__ void __launch_bounds__(256) router_logits_tiled(const floa
         }
 }
 
+// The same logits for many tokens, 64 tokens x 128 experts per 128-thread block: every thread
+// owns 8 tokens x 8 experts (64 FMAs per 16 shared-memory loads of 16 bytes, against 16 per 2
+// in router_logits_tiled), so the x tile is read once per 128 experts (x is T·H·4 bytes: 176 MB
+// at 16384 tokens of Nemotron). Chunks of RW_K k go through an RW_STAGES-deep cp.async ring,
+// row-major ([token][k], [expert][k], row stride RW_LD = 20 floats: the 8 expert rows and the 4
+// token rows a warp reads at one k group start on distinct 4-bank groups, conflict-free), read
+// back as float4 of 4 consecutive k; each logit is its thread's sequential sum over k
+// (fmaf in k order), as in router_logits_tiled, so one split gives that kernel's bits.
+// Split over k (grid z = splits, `k_split` k each, a multiple of RW_K): slice z writes its
+// partial sums to out + z·T·E and router_sum_splits adds them in slice order (fixed, on every
+// device: the split count depends on T and E only). Warp w owns tokens 32·(w / 2) + ty + 4·i
+// and experts 64·(w % 2) + tx + 8·j (lane = 8·ty + tx, i, j < 8). Needs hidden % 4 == 0.
+#define RW_TOK 64
+#define RW_EXP 128
+#define RW_K 16
+#define RW_LD 20
+#define RW_STAGES 4
+#define RW_THREADS 128
+extern "C" __global__ void __launch_bounds__(RW_THREADS, 2) router_logits_wide(const float* __restrict__ x, const float* __restrict__ w,
+                                                                        float* __restrict__ out, int tokens, int hidden,
+                                                                        int experts, int k_split) {
+    extern __shared__ __align__(16) float rw_smem[];
+    constexpr int STAGE = (RW_TOK + RW_EXP) * RW_LD;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, ty = lane >> 3, tx = lane & 7;
+    const int t0 = blockIdx.x * RW_TOK, e0 = blockIdx.y * RW_EXP;
+    const int kb = blockIdx.z * k_split, ke = min(hidden, kb + k_split);
+    // Chunk k0 into stage b: 64 token rows, then 128 expert rows, of 4 pieces of 16 bytes; zero
+    // past the matrices and past this slice's k (hidden % 4 == 0 and ke % 4 == 0: a piece is all
+    // in or all out).
+    auto stage = [&](int b, int k0) {
+        float* s = rw_smem + b * STAGE;
+#pragma unroll
+        for (int i = tid; i < (RW_TOK + RW_EXP) * 4; i += RW_THREADS) {
+            const int row = i >> 2, c = (i & 3) * 4;
+            const bool is_x = row < RW_TOK;
+            const int r = is_x ? t0 + row : e0 + row - RW_TOK;
+            const bool ok = (is_x ? r < tokens : r < experts) && k0 + c < ke;
+            const float* src = is_x ? x : w;
+            cp_async16(s + row * RW_LD + c, ok ? src + (size_t)r * hidden + k0 + c : src, ok ? 16 : 0);
+        }
+    };
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
+    const int chunks = ke > kb ? (ke - kb + RW_K - 1) / RW_K : 0;
+#pragma unroll
+    for (int c = 0; c < RW_STAGES - 1; c++) {
+        if (c < chunks) stage(c, kb + c * RW_K);
+        cp_async_commit();  // possibly empty: one group per chunk
+    }
+    const int xr = 32 * (warp >> 1) + ty, er = RW_TOK + 64 * (warp & 1) + tx;
+    for (int c = 0; c < chunks; c++) {
+        cp_async_wait<RW_STAGES - 2>();  // chunk c has landed (for this thread's copies)
+        __syncthreads();                 // for everyone's; and chunk c - 1's stage is free
+        const int next = c + RW_STAGES - 1;
+        if (next < chunks) stage(next % RW_STAGES, kb + next * RW_K);
+        cp_async_commit();
+        const float* s = rw_smem + (c % RW_STAGES) * STAGE;
+#pragma unroll
+        for (int kk = 0; kk < RW_K; kk += 4) {
+            float4 b[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) b[j] = *reinterpret_cast<const float4*>(s + (er + 8 * j) * RW_LD + kk);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float4 a = *reinterpret_cast<const float4*>(s + (xr + 4 * i) * RW_LD + kk);
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float v = acc[i][j];
+                    v = fmaf(a.x, b[j].x, v);
+                    v = fmaf(a.y, b[j].y, v);
+                    v = fmaf(a.z, b[j].z, v);
+                    acc[i][j] = fmaf(a.w, b[j].w, v);
+                }
+            }
+        }
+    }
+    float* o = out + (size_t)blockIdx.z * tokens * experts;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int t = t0 + xr + 4 * i;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int e = e0 + er - RW_TOK + 8 * j;
+            if (t < tokens && e < experts) o[(size_t)t * experts + e] = acc[i][j];
+        }
+    }
+}
+
+// logits[i] = part[0·n + i] + part[1·n + i] + ... in slice order (router_logits_wide's split).
+extern "C" __global__ void __launch_bounds__(256) router_sum_splits(const float* __restrict__ part, float* __restrict__ logits,
+                                                                    int n, int splits) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        float v = part[i];
+        for (int s = 1; s < splits; s++) v += part[(size_t)s * n + i];
+        logits[i] = v;
+    }
+}
+
 // The same logits on tensor cores in split TF32 ("3xTF32"): each f32 operand v = hi + lo with
 // hi = tf32(v) and lo = tf32(v - hi) (round to nearest, ties away: cvt.rna), and each product
 // x·w = lo_x·hi_w + hi_x·lo_w + hi_x·hi_w (the small terms first; lo_x·lo_w, ~2^-22 of it,

@@ -8,8 +8,8 @@ mod common;
 
 use fp4moe::calibration::calibrate_with_router;
 use fp4moe::cuda::{
-    CudaLayer, CudaWorkspace, DecodeKernel, GemmPath, PrefillFeed, PrefillTile, RoutePath,
-    RouterKernel,
+    router_wide_splits, CudaLayer, CudaWorkspace, DecodeKernel, GemmPath, PrefillFeed, PrefillTile,
+    RoutePath, RouterKernel,
 };
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
@@ -711,9 +711,11 @@ fn router_logits_on_device_match_the_cpu() {
         return;
     }
     // Below and above the tiled kernels' threshold (1024 tokens), E not a multiple of their
-    // 64- or 32-expert tiles, T not a multiple of their 64-token tile, H not a multiple of their
-    // 32-k chunk; both tiled kernels. Inputs and router weights get full f32 mantissas (the
-    // synthetic ones are bf16-exact, for which the TF32 kernel's low parts vanish).
+    // 64-, 128- or 32-expert tiles, T not a multiple of their 64-token tile, H not a multiple
+    // of their 32-k chunk; every tiled kernel, the wide one with k split in 8 (1100 tokens) and
+    // unsplit (8500), where it must give the SIMT kernel's bits (the same sequential sums).
+    // Inputs and router weights get full f32 mantissas (the synthetic ones are bf16-exact, for
+    // which the TF32 kernel's low parts vanish).
     let h = 2064;
     let s = spec(h, 128, 100, 6, Activation::Relu2NoMul, QuantMode::W4A16);
     let mut w = random_weights(&s, 21).unwrap();
@@ -725,17 +727,20 @@ fn router_logits_on_device_match_the_cpu() {
     if let Some(r) = w.router.as_mut() {
         full_f32(r, 1);
     }
+    assert_eq!(router_wide_splits(1100, h, 100).0, 8);
+    assert_eq!(router_wide_splits(8500, h, 100).0, 1);
     let mut layer = CudaLayer::new(&s, &w).unwrap();
     let st = layer.stream().clone();
-    for tokens in [5, 300, 1100] {
+    for tokens in [5, 300, 1100, 8500] {
         let mut x = random_tokens(tokens, h, 22 + tokens as u64);
         full_f32(&mut x, 2);
         let want = router_logits(&x, w.router.as_ref().unwrap(), h, 100);
         let kernels: &[RouterKernel] = if tokens >= 1024 {
-            &[RouterKernel::Simt, RouterKernel::Tf32x3]
+            &[RouterKernel::Simt, RouterKernel::Wide, RouterKernel::Tf32x3]
         } else {
             &[RouterKernel::Simt]
         };
+        let mut simt = Vec::new();
         for &kernel in kernels {
             layer.set_router_kernel(Some(kernel));
             let mut ws = layer.workspace(tokens).unwrap();
@@ -748,6 +753,20 @@ fn router_logits_on_device_match_the_cpu() {
                 err < 1e-5,
                 "router logits T{tokens} {kernel:?}: relative error {err:e}"
             );
+            match kernel {
+                RouterKernel::Simt => simt = got,
+                RouterKernel::Wide if router_wide_splits(tokens, h, 100).0 == 1 => {
+                    let same = got
+                        .iter()
+                        .zip(&simt)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "router logits T{tokens}: unsplit wide kernel differs from SIMT"
+                    );
+                }
+                _ => {}
+            }
         }
     }
 }

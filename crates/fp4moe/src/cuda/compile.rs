@@ -94,6 +94,8 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "router_logits",
             "router_logits_tiled",
             "router_logits_tf32x3",
+            "router_logits_wide",
+            "router_sum_splits",
             "route_topk",
         ],
         "sort_pairs.cu" => &[

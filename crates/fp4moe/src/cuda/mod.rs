@@ -399,6 +399,9 @@ pub struct CudaWorkspace {
     tokens: usize,
     pub x: CudaSlice<f32>,
     pub logits: CudaSlice<f32>,
+    /// `router_logits_wide`'s partial sums over its k slices (`[splits, T, E]`), where it
+    /// splits k ([`router_wide_splits`]); empty otherwise.
+    router_part: CudaSlice<f32>,
     /// Routing result of the last forward: `[T, k]` expert ids and weights (rsf included).
     pub ids: CudaSlice<i32>,
     pub weights: CudaSlice<f32>,
@@ -683,11 +686,52 @@ const ROUTER_TF32_THREADS: u32 = 128;
 /// Token count from which router logits come from the tiled kernel.
 const ROUTER_TILED_FROM: usize = 1024;
 
+/// Blocks `router_logits_wide` fills by splitting k: two per SM (its occupancy, by registers)
+/// of a 132-SM part, never more (a second partial wave would cost more than the split saves).
+/// A constant rather than the device's SM count, so that the logits' bits (the split count
+/// fixes the summation order) are the same on every device.
+const ROUTER_WIDE_WAVE: usize = 264;
+
+/// `router_logits_wide`'s tile (`RW_TOK` tokens x `RW_EXP` experts), k chunk (`RW_K`), threads
+/// and dynamic shared memory (`RW_STAGES` stages of `RW_TOK + RW_EXP` rows of `RW_LD` floats).
+const ROUTER_WIDE_TILE: (usize, usize) = (64, 128);
+const ROUTER_WIDE_K: usize = 16;
+const ROUTER_WIDE_THREADS: u32 = 128;
+const ROUTER_WIDE_SHARED: u32 = 4 * (64 + 128) * 20 * 4;
+
+/// How `router_logits_wide` splits k for `tokens` tokens: `(splits, k per split)`, k per split a
+/// multiple of its 16-k chunk, at least 8 chunks per split, at most 8 splits, and as many as
+/// fit in [`ROUTER_WIDE_WAVE`] blocks (1 from 16384 tokens of 128 experts, 4 at 4096).
+pub fn router_wide_splits(tokens: usize, hidden: usize, experts: usize) -> (usize, usize) {
+    let tiles = tokens.div_ceil(ROUTER_WIDE_TILE.0) * experts.div_ceil(ROUTER_WIDE_TILE.1);
+    let chunks = hidden.div_ceil(ROUTER_WIDE_K).max(1);
+    let splits = (ROUTER_WIDE_WAVE / tiles.max(1))
+        .clamp(1, 8)
+        .min((chunks / 8).max(1));
+    let k_split = chunks.div_ceil(splits) * ROUTER_WIDE_K;
+    (hidden.div_ceil(k_split).max(1), k_split)
+}
+
+/// Floats of `CudaWorkspace::router_part` for `tokens` tokens: room for `router_logits_wide`'s
+/// partial sums where it splits k (it runs only from [`ROUTER_TILED_FROM`] tokens).
+fn router_part_len(tokens: usize, hidden: usize, experts: usize) -> usize {
+    let (splits, _) = router_wide_splits(tokens, hidden, experts);
+    if tokens < ROUTER_TILED_FROM || splits == 1 {
+        0
+    } else {
+        splits * tokens * experts
+    }
+}
+
 /// How the router logits of [`ROUTER_TILED_FROM`] tokens or more are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterKernel {
     /// `router_logits_tiled`: f32 FMAs, each logit one thread's sequential sum over k.
     Simt,
+    /// `router_logits_wide`: f32 FMAs in 64-token x 128-expert tiles, k split into slices
+    /// summed in a fixed order where the tiles alone would not fill the GPU
+    /// ([`router_wide_splits`]); unsplit, the bits of [`RouterKernel::Simt`].
+    Wide,
     /// `router_logits_tf32x3`: tensor cores in split TF32 (three MMAs per product, f32
     /// accumulation), relative error ~1e-6 against an f32 sum. The default where the SIMT
     /// kernel's tiles would fill less than half the SMs (on 132 SMs and 128 experts, 1024 to
@@ -696,11 +740,12 @@ pub enum RouterKernel {
 }
 
 impl RouterKernel {
-    /// `FP4MOE_ROUTER=simt|tf32x3`, a benchmark knob.
+    /// `FP4MOE_ROUTER=simt|wide|tf32x3`, a benchmark knob.
     fn from_env() -> Option<Self> {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let choices = [
             ("simt", RouterKernel::Simt),
+            ("wide", RouterKernel::Wide),
             ("tf32x3", RouterKernel::Tf32x3),
         ];
         tuning_choice(&KNOB, "FP4MOE_ROUTER", &choices)
@@ -1356,6 +1401,7 @@ impl CudaLayer {
         let w = spec.shared_intermediate.unwrap_or(0);
         4 * (2 * tokens * h
             + tokens * e
+            + router_part_len(tokens, h, e)
             + 2 * p
             + 2 * (e + 1)
             + 2 * p
@@ -1402,6 +1448,7 @@ impl CudaLayer {
             tokens,
             x: f(tokens * h)?,
             logits: f(tokens * e)?,
+            router_part: f(router_part_len(tokens, h, e))?,
             ids: i32s(p)?,
             weights: f(p)?,
             out: f(tokens * h)?,
@@ -1534,7 +1581,6 @@ impl CudaLayer {
             self.spec.shape.hidden as i32,
             self.spec.shape.experts as i32,
         );
-        let r = self.spec.routing;
         let st = &self.dev.stream;
         let logits_ptr = match logits {
             Some(l) => ptr(l, st),
@@ -1555,10 +1601,18 @@ impl CudaLayer {
                     } else {
                         RouterKernel::Simt
                     });
+                let (x, l) = (ptr(&ws.x, st), ptr(&ws.logits, st));
+                let rp = ptr(router, st);
+                if ws.tokens >= ROUTER_TILED_FROM && kernel == RouterKernel::Wide {
+                    self.router_logits_wide(ws, x, rp, l)?;
+                    return self.route_topk(ws, l);
+                }
                 let (name, cfg) = if ws.tokens >= ROUTER_TILED_FROM {
                     // Tiles of 64 tokens x 64 experts (SIMT) or 32 x 32 (TF32).
                     let (name, tile, threads) = match kernel {
-                        RouterKernel::Simt => ("router_logits_tiled", (64, 64), 256),
+                        RouterKernel::Simt | RouterKernel::Wide => {
+                            ("router_logits_tiled", (64, 64), 256)
+                        }
                         RouterKernel::Tf32x3 => {
                             ("router_logits_tf32x3", (32, 32), ROUTER_TF32_THREADS)
                         }
@@ -1582,14 +1636,72 @@ impl CudaLayer {
                     };
                     ("router_logits", cfg)
                 };
-                let (x, l) = (ptr(&ws.x, st), ptr(&ws.logits, st));
-                let rp = ptr(router, st);
                 self.launch(name, cfg, |b| {
                     b.arg(&x).arg(&rp).arg(&l).arg(&t).arg(&h).arg(&e);
                 })?;
                 l
             }
         };
+        self.route_topk(ws, logits_ptr)
+    }
+
+    /// `router_logits_wide` into `logits` (through `ws.router_part` and `router_sum_splits`
+    /// where it splits k).
+    fn router_logits_wide(
+        &self,
+        ws: &CudaWorkspace,
+        x: u64,
+        router: u64,
+        logits: u64,
+    ) -> Result<()> {
+        let st = &self.dev.stream;
+        let (tokens, hidden, experts) =
+            (ws.tokens, self.spec.shape.hidden, self.spec.shape.experts);
+        let (splits, k_split) = router_wide_splits(tokens, hidden, experts);
+        let out = if splits > 1 {
+            ptr(&ws.router_part, st)
+        } else {
+            logits
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                tokens.div_ceil(ROUTER_WIDE_TILE.0) as u32,
+                experts.div_ceil(ROUTER_WIDE_TILE.1) as u32,
+                splits as u32,
+            ),
+            block_dim: (ROUTER_WIDE_THREADS, 1, 1),
+            shared_mem_bytes: ROUTER_WIDE_SHARED,
+        };
+        let (t, h, e, ks) = (tokens as i32, hidden as i32, experts as i32, k_split as i32);
+        self.launch("router_logits_wide", cfg, |b| {
+            b.arg(&x)
+                .arg(&router)
+                .arg(&out)
+                .arg(&t)
+                .arg(&h)
+                .arg(&e)
+                .arg(&ks);
+        })?;
+        if splits > 1 {
+            let n = (tokens * experts) as i32;
+            let s = splits as i32;
+            let cfg = LaunchConfig {
+                grid_dim: ((n as u32).div_ceil(256).min(4 * self.dev.sms as u32), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch("router_sum_splits", cfg, |b| {
+                b.arg(&out).arg(&logits).arg(&n).arg(&s);
+            })?;
+        }
+        Ok(())
+    }
+
+    /// `route_topk`: `ws.ids`, `ws.weights` from the `[T, E]` logits at `logits_ptr`.
+    fn route_topk(&self, ws: &CudaWorkspace, logits_ptr: u64) -> Result<()> {
+        let st = &self.dev.stream;
+        let r = self.spec.routing;
+        let (t, e) = (ws.tokens as i32, self.spec.shape.experts as i32);
         let bias = self.bias.as_ref().map_or(0u64, |b| ptr(b, st));
         let (ids, w) = (ptr(&ws.ids, st), ptr(&ws.weights, st));
         let (k, scoring) = (r.top_k as i32, i32::from(r.scoring == Scoring::Sigmoid));
@@ -2439,6 +2551,29 @@ impl Experts for CudaExperts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn router_wide_splits_cover_k_once_and_fill_one_wave() {
+        // Nemotron's H: 4 slices at 4096 tokens, none from 16384, 8 (the cap) at 1024.
+        assert_eq!(router_wide_splits(16384, 2688, 128), (1, 2688));
+        assert_eq!(router_wide_splits(4096, 2688, 128), (4, 672));
+        assert_eq!(router_wide_splits(1024, 2688, 128), (8, 336));
+        for tokens in [1, 63, 1024, 1100, 2047, 4096, 8191, 16384, 40000] {
+            for hidden in [4, 64, 132, 2064, 2688, 7168] {
+                for experts in [8, 100, 128, 512] {
+                    let (splits, k) = router_wide_splits(tokens, hidden, experts);
+                    let tiles = tokens.div_ceil(64) * experts.div_ceil(128);
+                    assert!(k % ROUTER_WIDE_K == 0 && (1..=8).contains(&splits));
+                    // Every slice holds some k, and together they hold all of it.
+                    assert!((splits - 1) * k < hidden && splits * k >= hidden);
+                    assert!(splits == 1 || splits * tiles <= ROUTER_WIDE_WAVE);
+                    assert!(splits == 1 || k >= 8 * ROUTER_WIDE_K);
+                    let part = router_part_len(tokens, hidden, experts);
+                    assert_eq!(part == 0, tokens < ROUTER_TILED_FROM || splits == 1);
+                }
+            }
+        }
+    }
 
     #[test]
     fn gemm_path_follows_tokens_per_expert_and_shared_memory() {
