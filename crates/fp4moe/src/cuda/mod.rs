@@ -726,16 +726,20 @@ fn router_part_len(tokens: usize, hidden: usize, experts: usize) -> usize {
 /// How the router logits of [`ROUTER_TILED_FROM`] tokens or more are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterKernel {
-    /// `router_logits_tiled`: f32 FMAs, each logit one thread's sequential sum over k.
+    /// `router_logits_tiled`: f32 FMAs in 64 x 64 tiles, each logit one thread's sequential
+    /// sum over k.
     Simt,
-    /// `router_logits_wide`: f32 FMAs in 64-token x 128-expert tiles, k split into slices
-    /// summed in a fixed order where the tiles alone would not fill the GPU
-    /// ([`router_wide_splits`]); unsplit, the bits of [`RouterKernel::Simt`].
+    /// `router_logits_wide` (the default): f32 FMAs in 64-token x 128-expert tiles, k split
+    /// into slices summed in a fixed order where the tiles alone would not fill one wave
+    /// ([`router_wide_splits`]; the split depends on T, H and E only, so the logits are the
+    /// same bits on every device); unsplit, the bits of [`RouterKernel::Simt`]. Run 64 (routing
+    /// stage, Nemotron): 64 / 97 / 167 / 296 / 548–562 µs at 1024 / 2048 / 4096 / 8192 / 16384
+    /// tokens, against 126 / 141 / 176 / 303 / 584–588 (SIMT) and 93 / 132 / 214–218 / 382 /
+    /// 724 (TF32).
     Wide,
     /// `router_logits_tf32x3`: tensor cores in split TF32 (three MMAs per product, f32
-    /// accumulation), relative error ~1e-6 against an f32 sum. The default where the SIMT
-    /// kernel's tiles would fill less than half the SMs (on 132 SMs and 128 experts, 1024 to
-    /// 2047 tokens; measured at 1024).
+    /// accumulation), relative error ~1e-6 against an f32 sum; the default at 1024–2047 tokens
+    /// in session 12, slower than [`RouterKernel::Wide`] everywhere (run 64).
     Tf32x3,
 }
 
@@ -1588,19 +1592,13 @@ impl CudaLayer {
                 let router = self.router_weight()?;
                 // A warp per logit keeps the latency low for a few tokens; from
                 // ROUTER_TILED_FROM tokens a shared-memory tiled kernel reads x and the router
-                // weight 32 to 64 times less often.
-                // Split TF32 on tensor cores in small tiles where the SIMT kernel's 64 x 64
-                // tiles would leave half the SMs idle (runs 58–59: 1024 tokens of Nemotron
-                // −46 µs; slower than SIMT from 4096).
-                let simt_blocks = ws.tokens.div_ceil(64) * self.spec.shape.experts.div_ceil(64);
+                // weight 32 to 128 times less often: the 64 x 128 tiles of the wide kernel,
+                // faster than the 64 x 64 SIMT and the TF32 tiles at every size measured
+                // (run 64: 1024 to 16384 tokens, both presets).
                 let kernel = self
                     .router_kernel
                     .or_else(RouterKernel::from_env)
-                    .unwrap_or(if 2 * simt_blocks < self.dev.sms {
-                        RouterKernel::Tf32x3
-                    } else {
-                        RouterKernel::Simt
-                    });
+                    .unwrap_or(RouterKernel::Wide);
                 let (x, l) = (ptr(&ws.x, st), ptr(&ws.logits, st));
                 let rp = ptr(router, st);
                 if ws.tokens >= ROUTER_TILED_FROM && kernel == RouterKernel::Wide {
