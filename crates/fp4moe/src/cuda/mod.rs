@@ -552,14 +552,15 @@ impl GemmShape {
             GemmShape::Wide => "wide",
         }
     }
-    /// Narrow below 8 tokens, wide from there (measured crossover, docs/KERNEL_NOTES.md);
-    /// `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for benchmarks).
+    /// Narrow up to 2 tokens (where the streaming kernels run by default), wide from 3 (run
+    /// 66: Nemotron at 4 tokens 89.8 against 104.3 µs; the crossover was 8 with run 24's
+    /// kernels); `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for benchmarks).
     fn for_tokens(tokens: usize) -> Self {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let choices = [("narrow", GemmShape::Narrow), ("wide", GemmShape::Wide)];
         match tuning_choice(&KNOB, "FP4MOE_GEMM_SHAPE", &choices) {
             Some(shape) => shape,
-            None if tokens >= 8 => GemmShape::Wide,
+            None if tokens >= 3 => GemmShape::Wide,
             None => GemmShape::Narrow,
         }
     }
@@ -766,9 +767,15 @@ pub enum GemmPath {
     Prefill,
 }
 
-/// Mean tokens per expert from which the prefill kernels take over (measured crossover,
-/// docs/KERNEL_NOTES.md run 15).
-pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
+/// Mean tokens per routed expert from which the prefill kernels take over, in quarters (3:
+/// from 0.75 tokens per expert; measured crossover, docs/KERNEL_NOTES.md run 66: Nemotron's
+/// 32-token tiles 2–6 % faster than the decode kernels from 16 to 48 tokens, 10 % slower at
+/// 12; the crossover was 3 tokens per expert with run 15's kernels).
+pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 3;
+
+/// Tokens from which a dense expert (the shared one: every token, one expert) takes the
+/// prefill kernels (run 15).
+pub const PREFILL_DENSE_MIN_TOKENS: usize = 3;
 
 /// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
 /// tiles are faster at 24, slower at 48; run 15).
@@ -1113,8 +1120,9 @@ impl GemmPath {
     }
 
     /// The path for `pairs` routed pairs over `experts` experts: `forced` when given, else
-    /// prefill from [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert; decode whenever
-    /// the device lacks even the small prefill tiles' shared memory.
+    /// prefill from [`PREFILL_FROM_QUARTERS_PER_EXPERT`] quarter tokens per expert (mean), or
+    /// for one dense expert from [`PREFILL_DENSE_MIN_TOKENS`] tokens; decode whenever the
+    /// device lacks even the small prefill tiles' shared memory.
     pub fn choose(
         pairs: usize,
         experts: usize,
@@ -1126,7 +1134,10 @@ impl GemmPath {
         }
         match forced {
             Some(path) => path,
-            None if pairs / experts.max(1) >= PREFILL_MIN_TOKENS_PER_EXPERT => GemmPath::Prefill,
+            None if experts <= 1 && pairs >= PREFILL_DENSE_MIN_TOKENS => GemmPath::Prefill,
+            None if experts > 1 && 4 * pairs >= PREFILL_FROM_QUARTERS_PER_EXPERT * experts => {
+                GemmPath::Prefill
+            }
             None => GemmPath::Decode,
         }
     }
@@ -2576,10 +2587,11 @@ mod tests {
     #[test]
     fn gemm_path_follows_tokens_per_expert_and_shared_memory() {
         let h200 = 227 * 1024;
-        // Nemotron-3 Nano (E 128, top-6): 32 tokens = 1.5 per expert, 64 = 3.
-        assert_eq!(GemmPath::choose(32 * 6, 128, h200, None), GemmPath::Decode);
+        // Nemotron-3 Nano (E 128, top-6): 12 tokens = 0.5625 per expert, 16 = 0.75.
+        assert_eq!(GemmPath::choose(12 * 6, 128, h200, None), GemmPath::Decode);
         // Exactly the threshold takes prefill.
-        assert_eq!(GemmPath::choose(64 * 6, 128, h200, None), GemmPath::Prefill);
+        assert_eq!(GemmPath::choose(16 * 6, 128, h200, None), GemmPath::Prefill);
+        assert_eq!(GemmPath::choose(15 * 6, 128, h200, None), GemmPath::Decode);
         // A shared expert is one expert holding every token.
         assert_eq!(GemmPath::choose(2, 1, h200, None), GemmPath::Decode);
         assert_eq!(GemmPath::choose(3, 1, h200, None), GemmPath::Prefill);
