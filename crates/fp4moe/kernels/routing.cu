@@ -86,8 +86,8 @@ extern "C" __global__ void __launch_bounds__(256) router_logits_tiled(const floa
 }
 
 // The same logits for many tokens, 64 tokens x 128 experts per 128-thread block: every thread
-// owns 8 tokens x 8 experts (64 FMAs per 16 shared-memory loads of 16 bytes, against 16 per 2
-// in router_logits_tiled), so the x tile is read once per 128 experts (x is T·H·4 bytes: 176 MB
+// owns 8 tokens x 8 experts (16 FMAs per 16-byte shared-memory load: 256 per 4 k from 16
+// loads, against 8 per load in router_logits_tiled), so the x tile is read once per 128 experts (x is T·H·4 bytes: 176 MB
 // at 16384 tokens of Nemotron). Chunks of RW_K k go through an RW_STAGES-deep cp.async ring,
 // row-major ([token][k], [expert][k], row stride RW_LD = 20 floats: the 8 expert rows and the 4
 // token rows a warp reads at one k group start on distinct 4-bank groups, conflict-free), read

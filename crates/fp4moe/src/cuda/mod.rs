@@ -684,7 +684,8 @@ fn router_logits_per_block(logits: usize) -> usize {
 /// Threads per block of `router_logits_tf32x3` (`RT_THREADS`).
 const ROUTER_TF32_THREADS: u32 = 128;
 
-/// Token count from which router logits come from the tiled kernel.
+/// Token count from which router logits come from a tiled kernel ([`RouterKernel`]) instead
+/// of a warp (or eight) per logit.
 const ROUTER_TILED_FROM: usize = 1024;
 
 /// Blocks `router_logits_wide` fills by splitting k: two per SM (its occupancy, by registers)
@@ -701,7 +702,8 @@ const ROUTER_WIDE_THREADS: u32 = 128;
 const ROUTER_WIDE_SHARED: u32 = 4 * (64 + 128) * 20 * 4;
 
 /// How `router_logits_wide` splits k for `tokens` tokens: `(splits, k per split)`, k per split a
-/// multiple of its 16-k chunk, at least 8 chunks per split, at most 8 splits, and as many as
+/// multiple of its 16-k chunk, at least 8 chunks per split (the last slice takes what is left,
+/// possibly fewer), at most 8 splits, and as many as
 /// fit in [`ROUTER_WIDE_WAVE`] blocks (1 from 16384 tokens of 128 experts, 4 at 4096).
 pub fn router_wide_splits(tokens: usize, hidden: usize, experts: usize) -> (usize, usize) {
     let tiles = tokens.div_ceil(ROUTER_WIDE_TILE.0) * experts.div_ceil(ROUTER_WIDE_TILE.1);
@@ -767,15 +769,20 @@ pub enum GemmPath {
     Prefill,
 }
 
-/// Mean tokens per routed expert from which the prefill kernels take over, in quarters (3:
-/// from 0.75 tokens per expert; measured crossover, docs/KERNEL_NOTES.md run 66: Nemotron's
-/// 32-token tiles 2–6 % faster than the decode kernels from 16 to 48 tokens, 10 % slower at
-/// 12; the crossover was 3 tokens per expert with run 15's kernels).
+/// Mean tokens per expert from which the prefill kernels take over (run 15's crossover; the
+/// rule for a dense expert, the shared one, and for layers with few experts).
+pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
+
+/// Mean tokens per expert, in quarters, from which the prefill kernels take over once a batch
+/// has [`PREFILL_SPARSE_MIN_PAIRS`] routed pairs (3: from 0.75 tokens per expert). Measured on
+/// Nemotron-3 Nano (E 128, top-6; docs/KERNEL_NOTES.md runs 66–67): the 32-token tiles 2–7 %
+/// faster than the decode kernels from 16 tokens (96 pairs) to 48, 10 % slower at 12 (72).
 pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 3;
 
-/// Tokens from which a dense expert (the shared one: every token, one expert) takes the
-/// prefill kernels (run 15).
-pub const PREFILL_DENSE_MIN_TOKENS: usize = 3;
+/// Routed pairs from which [`PREFILL_FROM_QUARTERS_PER_EXPERT`] applies: below, the 3-per-expert
+/// rule stands, so layers with few experts keep the streaming decode kernels for one or two
+/// tokens (not re-measured there).
+pub const PREFILL_SPARSE_MIN_PAIRS: usize = 64;
 
 /// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
 /// tiles are faster at 24, slower at 48; run 15).
@@ -1120,9 +1127,10 @@ impl GemmPath {
     }
 
     /// The path for `pairs` routed pairs over `experts` experts: `forced` when given, else
-    /// prefill from [`PREFILL_FROM_QUARTERS_PER_EXPERT`] quarter tokens per expert (mean), or
-    /// for one dense expert from [`PREFILL_DENSE_MIN_TOKENS`] tokens; decode whenever the
-    /// device lacks even the small prefill tiles' shared memory.
+    /// prefill from [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert, or from
+    /// [`PREFILL_FROM_QUARTERS_PER_EXPERT`] quarter tokens per expert once there are
+    /// [`PREFILL_SPARSE_MIN_PAIRS`] pairs; decode whenever the device lacks even the small
+    /// prefill tiles' shared memory.
     pub fn choose(
         pairs: usize,
         experts: usize,
@@ -1134,8 +1142,10 @@ impl GemmPath {
         }
         match forced {
             Some(path) => path,
-            None if experts <= 1 && pairs >= PREFILL_DENSE_MIN_TOKENS => GemmPath::Prefill,
-            None if experts > 1 && 4 * pairs >= PREFILL_FROM_QUARTERS_PER_EXPERT * experts => {
+            None if pairs / experts.max(1) >= PREFILL_MIN_TOKENS_PER_EXPERT => GemmPath::Prefill,
+            None if pairs >= PREFILL_SPARSE_MIN_PAIRS
+                && 4 * pairs >= PREFILL_FROM_QUARTERS_PER_EXPERT * experts =>
+            {
                 GemmPath::Prefill
             }
             None => GemmPath::Decode,
@@ -1346,7 +1356,7 @@ impl CudaLayer {
     }
 
     /// Forces how later forwards compute router logits from 1024 tokens (`None`:
-    /// `FP4MOE_ROUTER`, else chosen per batch size).
+    /// `FP4MOE_ROUTER`, else [`RouterKernel::Wide`]).
     pub fn set_router_kernel(&mut self, kernel: Option<RouterKernel>) {
         self.router_kernel = kernel;
     }
@@ -2592,6 +2602,11 @@ mod tests {
         // Exactly the threshold takes prefill.
         assert_eq!(GemmPath::choose(16 * 6, 128, h200, None), GemmPath::Prefill);
         assert_eq!(GemmPath::choose(15 * 6, 128, h200, None), GemmPath::Decode);
+        // Few experts: 3 tokens per expert below 64 pairs (8 experts, top-8: one token, 8
+        // pairs, stays on the decode kernels; 24 pairs = 3 per expert take prefill).
+        assert_eq!(GemmPath::choose(8, 8, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(23, 8, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(24, 8, h200, None), GemmPath::Prefill);
         // A shared expert is one expert holding every token.
         assert_eq!(GemmPath::choose(2, 1, h200, None), GemmPath::Decode);
         assert_eq!(GemmPath::choose(3, 1, h200, None), GemmPath::Prefill);
