@@ -87,15 +87,15 @@ extern "C" __global__ void __launch_bounds__(256) router_logits_tiled(const floa
 
 // The same logits for many tokens, 64 tokens x 128 experts per 128-thread block: every thread
 // owns 8 tokens x 8 experts (16 FMAs per 16-byte shared-memory load: 256 per 4 k from 16
-// loads, against 8 per load in router_logits_tiled), so the x tile is read once per 128 experts (x is T·H·4 bytes: 176 MB
-// at 16384 tokens of Nemotron). Chunks of RW_K k go through an RW_STAGES-deep cp.async ring,
+// loads, against 8 per load in router_logits_tiled), so the x tile is read once per 128
+// experts (x is T·H·4 bytes: 176 MB at 16384 tokens of Nemotron). Chunks of RW_K k go through an RW_STAGES-deep cp.async ring,
 // row-major ([token][k], [expert][k], row stride RW_LD = 20 floats: the 8 expert rows and the 4
 // token rows a warp reads at one k group start on distinct 4-bank groups, conflict-free), read
 // back as float4 of 4 consecutive k; each logit is its thread's sequential sum over k
 // (fmaf in k order), as in router_logits_tiled, so one split gives that kernel's bits.
 // Split over k (grid z = splits, `k_split` k each, a multiple of RW_K): slice z writes its
 // partial sums to out + z·T·E and router_sum_splits adds them in slice order (fixed, on every
-// device: the split count depends on T and E only). Warp w owns tokens 32·(w / 2) + ty + 4·i
+// device: the split count depends on T, H and E only). Warp w owns tokens 32·(w / 2) + ty + 4·i
 // and experts 64·(w % 2) + tx + 8·j (lane = 8·ty + tx, i, j < 8). Needs hidden % 4 == 0.
 #define RW_TOK 64
 #define RW_EXP 128

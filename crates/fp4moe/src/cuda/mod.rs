@@ -699,7 +699,10 @@ const ROUTER_WIDE_WAVE: usize = 264;
 const ROUTER_WIDE_TILE: (usize, usize) = (64, 128);
 const ROUTER_WIDE_K: usize = 16;
 const ROUTER_WIDE_THREADS: u32 = 128;
-const ROUTER_WIDE_SHARED: u32 = 4 * (64 + 128) * 20 * 4;
+const ROUTER_WIDE_STAGES: usize = 4;
+const ROUTER_WIDE_LD: usize = 20;
+const ROUTER_WIDE_SHARED: u32 =
+    (ROUTER_WIDE_STAGES * (ROUTER_WIDE_TILE.0 + ROUTER_WIDE_TILE.1) * ROUTER_WIDE_LD * 4) as u32;
 
 /// How `router_logits_wide` splits k for `tokens` tokens: `(splits, k per split)`, k per split a
 /// multiple of its 16-k chunk, at least 8 chunks per split (the last slice takes what is left,
@@ -2680,6 +2683,13 @@ mod tests {
             compile::kernel_define("routing.cu", "RT_THREADS"),
             ROUTER_TF32_THREADS as usize
         );
+        // The wide kernel's tile, chunk, threads and shared-memory ring.
+        let wide = |name| compile::kernel_define("routing.cu", name);
+        assert_eq!((wide("RW_TOK"), wide("RW_EXP")), ROUTER_WIDE_TILE);
+        assert_eq!(wide("RW_K"), ROUTER_WIDE_K);
+        assert_eq!(wide("RW_THREADS"), ROUTER_WIDE_THREADS as usize);
+        assert_eq!(wide("RW_STAGES"), ROUTER_WIDE_STAGES);
+        assert_eq!(wide("RW_LD"), ROUTER_WIDE_LD);
         let routing_cuh = compile::kernel_text("routing.cuh");
         assert!(routing_cuh.contains(&format!("#define RL_SLICES {ROUTER_SLICES}\n")));
         let max = format!("#define RL_SLICED_MAX_LOGITS {ROUTER_SLICED_MAX_LOGITS}\n");
