@@ -319,3 +319,160 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
     topk_token(logits + (size_t)t * experts, bias, ids + t * top_k, weights + t * top_k,
                smem + wib * (2 * experts + 64), experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
 }
+
+// The same logits on bf16 tensor cores, for router weights that are bf16 values (checked at
+// upload: every checkpoint's router is bf16, kept as f32 by the loader). Each x value splits
+// exactly into three bf16 pieces, v = hi + mid + lo (hi = bf16(v), mid = bf16(v - hi), lo = v -
+// hi - mid: 8 + 8 + 8 significand bits cover f32's 24), so every product x·w is exact and only
+// the accumulation rounds. A warp whose 16 x 16 A fragment is all bf16 values (activations of a
+// bf16 model: mid = lo = 0) issues the hi MMA alone; otherwise lo, mid, then hi. Skipping MMAs
+// of an all-zero A adds nothing, so the logits do not depend on which path a warp took. The MMAs
+// of each 32-k chunk accumulate from zero into a partial sum that an ordinary f32 add folds
+// into the logit (a tensor core may truncate its f32 accumulation; per chunk that stays ~3e-7,
+// see router_logits_tf32x3). Deterministic: k in order, the k split of router_wide_splits' rule
+// (with 32-k chunks) summed in slice order by router_sum_splits.
+// Tile: 64 tokens x 128 experts per 256-thread block; warp w computes tokens 16·(w % 4).. and
+// experts 64·(w / 4).. (one m16 x eight n8 MMA tiles). 32-k chunks of x (f32, row stride
+// RB_XLD floats: the lanes' 8-byte fragment reads are conflict-free per half warp) and of the
+// bf16 router (row stride RB_WLD: conflict-free ldmatrix) go through an RB_STAGES-deep cp.async
+// ring. wb is the router padded with zeros to a multiple of RB_EXP rows and RB_K columns
+// (row stride hidden_pad), so its copies need no bounds; x's need hidden % 4 == 0. Non-finite
+// or huge x (hi rounding to ±inf) gives NaN logits where the f32 sum may give ±inf; x below
+// 2^-110 may lose low bits in lo (bf16 subnormals): outside what activations hold.
+#define RB_TOK 64
+#define RB_EXP 128
+#define RB_K 32
+#define RB_XLD 40
+#define RB_WLD 40
+#define RB_STAGES 4
+#define RB_THREADS 256
+#define RB_STAGE_BYTES (RB_TOK * RB_XLD * 4 + RB_EXP * RB_WLD * 2)
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+// Two floats (v.x at the lower column) rounded to a packed bf16 pair hi; true when both are
+// bf16 values (hi exact).
+__device__ __forceinline__ bool bf16x2_hi(float2 v, u32& hi) {
+    hi = bf16x2_bits(__floats2bfloat162_rn(v.x, v.y));
+    const float2 h = __bfloat1622float2(bits_bf16x2(hi));
+    return v.x == h.x && v.y == h.y;
+}
+// The rest of v = hi + mid + lo: mid = bf16(v - hi), lo = v - hi - mid (both differences exact;
+// at most 8 significand bits are left for lo).
+__device__ __forceinline__ void bf16x2_mid_lo(float2 v, u32 hi, u32& mid, u32& lo) {
+    const float2 h = __bfloat1622float2(bits_bf16x2(hi));
+    const float r0 = v.x - h.x, r1 = v.y - h.y;
+    mid = bf16x2_bits(__floats2bfloat162_rn(r0, r1));
+    const float2 m = __bfloat1622float2(bits_bf16x2(mid));
+    lo = bf16x2_bits(__floats2bfloat162_rn(r0 - m.x, r1 - m.y));
+}
+extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(const float* __restrict__ x,
+                                                                               const u16* __restrict__ wb,
+                                                                               float* __restrict__ out, int tokens,
+                                                                               int hidden, int hidden_pad,
+                                                                               int experts, int k_split) {
+    extern __shared__ __align__(16) unsigned char rb_smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int t0 = blockIdx.x * RB_TOK, e0 = blockIdx.y * RB_EXP;
+    const int kb = blockIdx.z * k_split, ke = min(hidden, kb + k_split);
+    auto xs = [&](int b) { return reinterpret_cast<float*>(rb_smem + b * RB_STAGE_BYTES); };
+    auto wsm = [&](int b) { return reinterpret_cast<u16*>(rb_smem + b * RB_STAGE_BYTES + RB_TOK * RB_XLD * 4); };
+    // Chunk k0 into stage b: 64 x rows of 8 16-byte pieces (zero past T and past the slice's k:
+    // hidden % 4 == 0 and ke % 4 == 0, so a piece is all in or all out), 128 router rows of 4
+    // (always inside the padded router; columns past ke meet zero x).
+    auto stage = [&](int b, int k0) {
+        float* sx = xs(b);
+        u16* sw = wsm(b);
+#pragma unroll
+        for (int i = tid; i < RB_TOK * 8; i += RB_THREADS) {
+            const int row = i >> 3, c = (i & 7) * 4;
+            const bool ok = t0 + row < tokens && k0 + c < ke;
+            cp_async16(sx + row * RB_XLD + c, ok ? x + (size_t)(t0 + row) * hidden + k0 + c : x, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = tid; i < RB_EXP * 4; i += RB_THREADS) {
+            const int row = i >> 2, c = (i & 3) * 8;
+            cp_async16(sw + row * RB_WLD + c, wb + (size_t)(e0 + row) * hidden_pad + k0 + c, 16);
+        }
+    };
+    float acc[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+    const int chunks = ke > kb ? (ke - kb + RB_K - 1) / RB_K : 0;
+#pragma unroll
+    for (int c = 0; c < RB_STAGES - 1; c++) {
+        if (c < chunks) stage(c, kb + c * RB_K);
+        cp_async_commit();  // possibly empty: one group per chunk
+    }
+    const int wr = 16 * (warp & 3), wc = 64 * (warp >> 2);
+    // ldmatrix.x4: lane l addresses row (l % 8) of matrix l / 8; matrices (n tile 2p, k 0-7),
+    // (2p, k 8-15), (2p + 1, k 0-7), (2p + 1, k 8-15) are the b0, b1 of two n tiles.
+    const int lrow = wc + (lane & 7) + 8 * (lane >> 4), lcol = 8 * ((lane >> 3) & 1);
+    for (int c = 0; c < chunks; c++) {
+        cp_async_wait<RB_STAGES - 2>();  // chunk c has landed (for this thread's copies)
+        __syncthreads();                 // for everyone's; and chunk c - 1's stage is free
+        const int next = c + RB_STAGES - 1;
+        if (next < chunks) stage(next % RB_STAGES, kb + next * RB_K);
+        cp_async_commit();
+        const float* sx = xs(c % RB_STAGES);
+        const u16* sw = wsm(c % RB_STAGES);
+        float part[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) part[n][i] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < RB_K; kk += 16) {
+            // A (16 x 16, row-major): (g, 2q..), (g + 8, 2q..), (g, 2q + 8..), (g + 8, 2q + 8..).
+            float2 v[4];
+            u32 ah[4], am[4], al[4];
+            bool exact = true;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                v[i] = *reinterpret_cast<const float2*>(sx + (wr + g + 8 * (i & 1)) * RB_XLD + kk + 2 * q + 8 * (i >> 1));
+                exact &= bf16x2_hi(v[i], ah[i]);
+            }
+            const bool all_exact = __all_sync(FULL_MASK, exact);
+            if (!all_exact) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) bf16x2_mid_lo(v[i], ah[i], am[i], al[i]);
+            }
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                u32 b[4];
+                ldmatrix_x4(b, sw + (lrow + 16 * p) * RB_WLD + kk + lcol);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float* d = part[2 * p + h];
+                    if (!all_exact) {
+                        mma_bf16_16816(d, al, b[2 * h], b[2 * h + 1]);
+                        mma_bf16_16816(d, am, b[2 * h], b[2 * h + 1]);
+                    }
+                    mma_bf16_16816(d, ah, b[2 * h], b[2 * h + 1]);
+                }
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[n][i] += part[n][i];
+    }
+    // D (16 x 8): (g, 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1).
+    float* o = out + (size_t)blockIdx.z * tokens * experts;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const int e = e0 + wc + 8 * n + 2 * q;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int t = t0 + wr + g + 8 * h;
+            if (t >= tokens) continue;
+            if (e < experts) o[(size_t)t * experts + e] = acc[n][2 * h];
+            if (e + 1 < experts) o[(size_t)t * experts + e + 1] = acc[n][2 * h + 1];
+        }
+    }
+}

@@ -8,8 +8,8 @@ mod common;
 
 use fp4moe::calibration::calibrate_with_router;
 use fp4moe::cuda::{
-    router_wide_splits, CudaLayer, CudaWorkspace, DecodeKernel, GemmPath, PrefillFeed, PrefillTile,
-    RoutePath, RouterKernel,
+    router_bf16_splits, router_wide_splits, CudaLayer, CudaWorkspace, DecodeKernel, GemmPath,
+    PrefillFeed, PrefillTile, RoutePath, RouterKernel,
 };
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
@@ -471,6 +471,7 @@ fn check_fused(spec: MoeSpec, tokens: usize, seed: u64) {
             spec.routing.top_k,
             e,
             max_smem,
+            layer.router_tiled_from(),
             Some(RoutePath::Fused)
         ),
         RoutePath::Fused,
@@ -735,12 +736,18 @@ fn router_logits_on_device_match_the_cpu() {
         let mut x = random_tokens(tokens, h, 22 + tokens as u64);
         full_f32(&mut x, 2);
         let want = router_logits(&x, w.router.as_ref().unwrap(), h, 100);
+        // Bf16 last: this router is not bf16, so it must fall back to the wide kernel's bits.
         let kernels: &[RouterKernel] = if tokens >= 1024 {
-            &[RouterKernel::Simt, RouterKernel::Wide, RouterKernel::Tf32x3]
+            &[
+                RouterKernel::Simt,
+                RouterKernel::Wide,
+                RouterKernel::Tf32x3,
+                RouterKernel::Bf16,
+            ]
         } else {
             &[RouterKernel::Simt]
         };
-        let mut simt = Vec::new();
+        let (mut simt, mut wide) = (Vec::new(), Vec::new());
         for &kernel in kernels {
             layer.set_router_kernel(Some(kernel));
             let mut ws = layer.workspace(tokens).unwrap();
@@ -755,19 +762,104 @@ fn router_logits_on_device_match_the_cpu() {
             );
             match kernel {
                 RouterKernel::Simt => simt = got,
-                RouterKernel::Wide if router_wide_splits(tokens, h, 100).0 == 1 => {
-                    let same = got
-                        .iter()
-                        .zip(&simt)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(
-                        same,
-                        "router logits T{tokens}: unsplit wide kernel differs from SIMT"
-                    );
+                RouterKernel::Wide => {
+                    if router_wide_splits(tokens, h, 100).0 == 1 {
+                        assert!(
+                            same_bits(&got, &simt),
+                            "router logits T{tokens}: unsplit wide kernel differs from SIMT"
+                        );
+                    }
+                    wide = got;
                 }
-                _ => {}
+                RouterKernel::Bf16 => assert!(
+                    same_bits(&got, &wide),
+                    "router logits T{tokens}: bf16 kernel on an f32 router is not the wide one"
+                ),
+                RouterKernel::Tf32x3 => {}
             }
         }
+    }
+}
+
+#[test]
+fn router_logits_bf16_match_the_cpu() {
+    if !common::gpu_available() {
+        return;
+    }
+    // A bf16 router (as every checkpoint's), H not a multiple of the 32-k chunk, E not of the
+    // 128-expert tile, k split in 8 (300 and 1100 tokens) and unsplit (8500); below its 128
+    // tokens the warp-per-logit kernel runs (100). Tokens 32..63 of each 64-token tile get full
+    // f32 mantissas, so some warps (16 tokens) take the three-MMA path and others the bf16 one;
+    // both must match the CPU's f32 sum.
+    let h = 2064;
+    let s = spec(h, 128, 100, 6, Activation::Relu2NoMul, QuantMode::W4A16);
+    let w = random_weights(&s, 23).unwrap();
+    let router = w.router.as_ref().unwrap();
+    assert!(router
+        .iter()
+        .all(|v| half::bf16::from_f32(*v).to_f32() == *v));
+    assert_eq!(router_bf16_splits(300, h, 100).0, 8);
+    assert_eq!(router_bf16_splits(1100, h, 100).0, 8);
+    assert_eq!(router_bf16_splits(8500, h, 100).0, 1);
+    let mut simt = CudaLayer::new(&s, &w).unwrap();
+    simt.set_router_kernel(Some(RouterKernel::Simt));
+    let layer = CudaLayer::new(&s, &w).unwrap();
+    assert_eq!(layer.router_tiled_from(), 128);
+    let st = layer.stream().clone();
+    let run = |layer: &CudaLayer, ws: &mut CudaWorkspace, x: &[f32]| {
+        st.memcpy_htod(x, &mut ws.x).unwrap();
+        layer.forward_device(ws, None).unwrap();
+        st.clone_dtoh(&ws.logits).unwrap()
+    };
+    let logits = |ws: &mut CudaWorkspace, x: &[f32]| run(&layer, ws, x);
+    for tokens in [100, 300, 1100, 8500] {
+        let mut x = random_tokens(tokens, h, 24 + tokens as u64);
+        let exact = x.clone();
+        for (i, v) in x.iter_mut().enumerate() {
+            if (i / h) % 64 >= 32 {
+                *v *= 1.0 + ((i * 7919) % 1021) as f32 * 1.7e-6;
+            }
+        }
+        let mut ws = layer.workspace(tokens).unwrap();
+        let want = router_logits(&x, router, h, 100);
+        let got = logits(&mut ws, &x);
+        let err = relative_l2(&got[..want.len()], &want);
+        println!("router logits T{tokens} Bf16: rel err {err:.3e}");
+        assert!(
+            err < 1e-5,
+            "router logits T{tokens} Bf16: relative error {err:e}"
+        );
+        assert!(
+            same_bits(&got, &logits(&mut ws, &x)),
+            "T{tokens}: not reproducible"
+        );
+        if tokens < 128 {
+            let warp = run(&simt, &mut simt.workspace(tokens).unwrap(), &x);
+            assert!(
+                same_bits(&got, &warp),
+                "T{tokens}: not the warp-per-logit kernel"
+            );
+            continue;
+        }
+        // Token 17 alone made inexact moves its warp (tokens 16..31) to the three-MMA path;
+        // the other 15 tokens' logits must keep their bits (the extra MMAs add zeros).
+        let base = logits(&mut ws, &exact);
+        let mut one = exact.clone();
+        one[17 * h + 5] = f32::from_bits(one[17 * h + 5].to_bits() | 1); // not a bf16 value
+        let moved = logits(&mut ws, &one);
+        for t in (16..32).filter(|&t| t != 17) {
+            let row = t * 100..(t + 1) * 100;
+            assert!(
+                same_bits(&base[row.clone()], &moved[row]),
+                "T{tokens}: token {t}'s logits depend on its warp's path"
+            );
+        }
+        let err = relative_l2(&base[..want.len()], &router_logits(&exact, router, h, 100));
+        println!("router logits T{tokens} Bf16, bf16 x: rel err {err:.3e}");
+        assert!(
+            err < 1e-5,
+            "router logits T{tokens} Bf16 (bf16 x): relative error {err:e}"
+        );
     }
 }
 

@@ -95,6 +95,7 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "router_logits_tiled",
             "router_logits_tf32x3",
             "router_logits_wide",
+            "router_logits_bf16",
             "router_sum_splits",
             "route_topk",
         ],

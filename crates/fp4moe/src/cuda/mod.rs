@@ -475,6 +475,8 @@ pub struct CudaLayer {
     w2: DeviceProjection,
     shared: Option<(DeviceProjection, DeviceProjection)>,
     router: Option<CudaSlice<f32>>,
+    /// [`router_bf16_copy`] on the device, with its row stride.
+    router_bf16: Option<(CudaSlice<u16>, usize)>,
     bias: Option<CudaSlice<f32>>,
     gs1: Option<f32>,
     gs2: Option<f32>,
@@ -623,17 +625,19 @@ impl RoutePath {
     /// The path for `tokens` tokens routed to `top_k` of `experts` experts: `forced` when given,
     /// else fused up to [`ROUTE_FUSED_MAX_TOKENS`] tokens; split whenever the fused kernel
     /// cannot run (more pairs than its one-block sort takes, or more shared memory than the
-    /// device allows) or would not give the split path's bits (from `ROUTER_TILED_FROM`
-    /// tokens the split path computes logits with the tiled kernel, another summation order).
+    /// device allows) or would not give the split path's bits (from `tiled_from` tokens the
+    /// split path computes logits with a tiled kernel, another summation order: 128 or 1024,
+    /// by the layer's router kernel).
     pub fn choose(
         tokens: usize,
         top_k: usize,
         experts: usize,
         max_shared_bytes: usize,
+        tiled_from: usize,
         forced: Option<Self>,
     ) -> Self {
         let fits = tokens * top_k <= SORT_ONE_BLOCK_MAX
-            && tokens < ROUTER_TILED_FROM
+            && tokens < tiled_from
             && route_small_smem(tokens, experts, true) <= max_shared_bytes;
         match forced {
             _ if !fits => RoutePath::Split,
@@ -684,9 +688,29 @@ fn router_logits_per_block(logits: usize) -> usize {
 /// Threads per block of `router_logits_tf32x3` (`RT_THREADS`).
 const ROUTER_TF32_THREADS: u32 = 128;
 
-/// Token count from which router logits come from a tiled kernel ([`RouterKernel`]) instead
-/// of a warp (or eight) per logit.
+/// Token count from which router logits come from an f32 tiled kernel ([`RouterKernel`])
+/// instead of a warp (or eight) per logit.
 const ROUTER_TILED_FROM: usize = 1024;
+
+/// Token count from which [`RouterKernel::Bf16`] computes the router logits. Run 69 (routing
+/// stage against a warp per logit, µs, Nemotron): 16 tokens 28.7 vs 20.5, 64 31.3 vs 24.2,
+/// 128 31.3 vs 32.3, 256 34.0 vs 51.2, 512 37.3 vs 91.3 (Qwen3 alike): its 64-token tiles
+/// leave most SMs idle below 128 tokens.
+const ROUTER_BF16_FROM: usize = 128;
+
+/// Token count from which `kernel` computes router logits: [`ROUTER_BF16_FROM`] or
+/// [`ROUTER_TILED_FROM`], or for either `FP4MOE_ROUTER_TILED_FROM` (a benchmark knob, read
+/// once per process, so workspaces and forwards agree).
+fn router_tiled_from(kernel: RouterKernel) -> usize {
+    static KNOB: OnceLock<Option<String>> = OnceLock::new();
+    tuning_knob(&KNOB, "FP4MOE_ROUTER_TILED_FROM")
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(match kernel {
+            RouterKernel::Bf16 => ROUTER_BF16_FROM,
+            _ => ROUTER_TILED_FROM,
+        })
+}
 
 /// Blocks `router_logits_wide` fills by splitting k: two per SM (its occupancy, by registers)
 /// of a 132-SM part, never more (a second partial wave would cost more than the split saves).
@@ -709,24 +733,72 @@ const ROUTER_WIDE_SHARED: u32 =
 /// possibly fewer), at most 8 splits, and as many as
 /// fit in [`ROUTER_WIDE_WAVE`] blocks (1 from 16384 tokens of 128 experts, 4 at 4096).
 pub fn router_wide_splits(tokens: usize, hidden: usize, experts: usize) -> (usize, usize) {
+    router_k_splits(tokens, hidden, experts, ROUTER_WIDE_K)
+}
+
+/// `router_logits_bf16`'s k split: [`router_wide_splits`]' rule (the same tile) with its 32-k
+/// chunks.
+pub fn router_bf16_splits(tokens: usize, hidden: usize, experts: usize) -> (usize, usize) {
+    router_k_splits(tokens, hidden, experts, ROUTER_BF16_K)
+}
+
+/// The k split of the 64 x 128 router tiles with `chunk`-wide k chunks (see
+/// [`router_wide_splits`]).
+fn router_k_splits(tokens: usize, hidden: usize, experts: usize, chunk: usize) -> (usize, usize) {
     let tiles = tokens.div_ceil(ROUTER_WIDE_TILE.0) * experts.div_ceil(ROUTER_WIDE_TILE.1);
-    let chunks = hidden.div_ceil(ROUTER_WIDE_K).max(1);
+    let chunks = hidden.div_ceil(chunk).max(1);
     let splits = (ROUTER_WIDE_WAVE / tiles.max(1))
         .clamp(1, 8)
         .min((chunks / 8).max(1));
-    let k_split = chunks.div_ceil(splits) * ROUTER_WIDE_K;
+    let k_split = chunks.div_ceil(splits) * chunk;
     (hidden.div_ceil(k_split).max(1), k_split)
 }
 
-/// Floats of `CudaWorkspace::router_part` for `tokens` tokens: room for `router_logits_wide`'s
-/// partial sums where it splits k (it runs only from [`ROUTER_TILED_FROM`] tokens).
-fn router_part_len(tokens: usize, hidden: usize, experts: usize) -> usize {
-    let (splits, _) = router_wide_splits(tokens, hidden, experts);
-    if tokens < ROUTER_TILED_FROM || splits == 1 {
+/// Floats of `CudaWorkspace::router_part` for `tokens` tokens: room for the partial sums of
+/// `router_logits_wide` or `router_logits_bf16` where they split k (they run only from
+/// `tiled_from` tokens, [`router_tiled_from`] of the layer's router kernel).
+fn router_part_len(tokens: usize, hidden: usize, experts: usize, tiled_from: usize) -> usize {
+    let (wide, _) = router_wide_splits(tokens, hidden, experts);
+    let (bf16, _) = router_bf16_splits(tokens, hidden, experts);
+    let splits = wide.max(bf16);
+    if tokens < tiled_from || splits == 1 {
         0
     } else {
         splits * tokens * experts
     }
+}
+
+/// `router_logits_bf16`'s k chunk, threads, dynamic shared memory (`RB_STAGES` stages of
+/// `RB_TOK` x rows of `RB_XLD` floats and `RB_EXP` router rows of `RB_WLD` bf16) and the
+/// padding of its bf16 router copy (rows to a multiple of its expert tile, columns of its k
+/// chunk). Its tile is [`ROUTER_WIDE_TILE`].
+const ROUTER_BF16_K: usize = 32;
+const ROUTER_BF16_THREADS: u32 = 256;
+const ROUTER_BF16_STAGES: usize = 4;
+const ROUTER_BF16_XLD: usize = 40;
+const ROUTER_BF16_WLD: usize = 40;
+const ROUTER_BF16_SHARED: u32 = (ROUTER_BF16_STAGES
+    * (ROUTER_WIDE_TILE.0 * ROUTER_BF16_XLD * 4 + ROUTER_WIDE_TILE.1 * ROUTER_BF16_WLD * 2))
+    as u32;
+
+/// The router `[E, H]` as bf16 for `router_logits_bf16`, zero-padded to
+/// `[E.div_ceil(128)·128, H.div_ceil(32)·32]`, where every weight is a finite bf16 value (any
+/// checkpoint's router: ModelOpt keeps routers in bf16) and `H % 4 == 0` (its 16-byte x
+/// copies); `None` otherwise, which leaves the f32 kernels.
+fn router_bf16_copy(router: &[f32], experts: usize, hidden: usize) -> Option<(Vec<u16>, usize)> {
+    let exact = |v: &f32| v.is_finite() && half::bf16::from_f32(*v).to_f32() == *v;
+    if hidden % 4 != 0 || router.len() != experts * hidden || !router.iter().all(exact) {
+        return None;
+    }
+    let hp = hidden.div_ceil(ROUTER_BF16_K) * ROUTER_BF16_K;
+    let ep = experts.div_ceil(ROUTER_WIDE_TILE.1) * ROUTER_WIDE_TILE.1;
+    let mut out = vec![0u16; ep * hp];
+    for (dst, src) in out.chunks_mut(hp).zip(router.chunks(hidden)) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = half::bf16::from_f32(*s).to_bits();
+        }
+    }
+    Some((out, hp))
 }
 
 /// How the router logits of [`ROUTER_TILED_FROM`] tokens or more are computed.
@@ -747,16 +819,23 @@ pub enum RouterKernel {
     /// accumulation), relative error ~1e-6 against an f32 sum; the default at 1024–2047 tokens
     /// in session 12, slower than [`RouterKernel::Wide`] everywhere (run 64).
     Tf32x3,
+    /// `router_logits_bf16`: bf16 tensor cores with exact products, for a router whose weights
+    /// are bf16 values (else [`RouterKernel::Wide`] runs): x split into three bf16 pieces
+    /// where a 16 x 16 fragment holds anything but bf16 values (one MMA per product for bf16
+    /// activations, three otherwise), each 32-k chunk's MMAs summed from zero and added to the
+    /// logit in f32; the 64 x 128 tile and k split of the wide kernel.
+    Bf16,
 }
 
 impl RouterKernel {
-    /// `FP4MOE_ROUTER=simt|wide|tf32x3`, a benchmark knob.
+    /// `FP4MOE_ROUTER=simt|wide|tf32x3|bf16`, a benchmark knob.
     fn from_env() -> Option<Self> {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let choices = [
             ("simt", RouterKernel::Simt),
             ("wide", RouterKernel::Wide),
             ("tf32x3", RouterKernel::Tf32x3),
+            ("bf16", RouterKernel::Bf16),
         ];
         tuning_choice(&KNOB, "FP4MOE_ROUTER", &choices)
     }
@@ -1273,6 +1352,20 @@ fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
     2048 + act.max(red)
 }
 
+/// `combine`'s launch for `tokens` x `hidden`: a block row per token, each thread 4 columns
+/// (`hidden % 4 == 0`) or 1, the columns split into the fewest blocks of at most 256 threads,
+/// evened out to whole warps (Nemotron's 672 four-column units: 3 blocks of 224).
+fn combine_launch(tokens: usize, hidden: usize) -> LaunchConfig {
+    let units = if hidden % 4 == 0 { hidden / 4 } else { hidden };
+    let blocks = units.div_ceil(256).max(1);
+    let threads = units.div_ceil(blocks).div_ceil(32) * 32;
+    LaunchConfig {
+        grid_dim: (tokens as u32, blocks as u32, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     let (p, _sync) = s.device_ptr(stream);
     p
@@ -1303,6 +1396,16 @@ impl CudaLayer {
             w2: DeviceProjection::from_stack(st, &weights.w2)?,
             shared,
             router: weights.router.as_ref().map(up).transpose()?,
+            router_bf16: match weights
+                .router
+                .as_ref()
+                .and_then(|r| router_bf16_copy(r, spec.shape.experts, spec.shape.hidden))
+            {
+                Some((w, hp)) => {
+                    Some((st.clone_htod(&w).map_err(driver_err("router upload"))?, hp))
+                }
+                None => None,
+            },
             bias: weights
                 .e_score_correction_bias
                 .as_ref()
@@ -1391,8 +1494,26 @@ impl CudaLayer {
             self.spec.routing.top_k,
             self.spec.shape.experts,
             self.dev.max_shared_bytes,
+            self.router_tiled_from(),
             forced,
         )
+    }
+
+    /// Token count from which this layer computes router logits with a tiled kernel (its
+    /// summation order changes there): 128 for a bf16 router, 1024 otherwise, unless forced.
+    pub fn router_tiled_from(&self) -> usize {
+        router_tiled_from(self.router_kernel())
+    }
+
+    /// The layer's router kernel for tiled batches: forced (layer, then `FP4MOE_ROUTER`), else
+    /// [`RouterKernel::Bf16`] where the router weights are bf16 values, else
+    /// [`RouterKernel::Wide`]; a forced bf16 kernel on an f32 router runs the wide one.
+    fn router_kernel(&self) -> RouterKernel {
+        match self.router_kernel.or_else(RouterKernel::from_env) {
+            Some(RouterKernel::Bf16) | None if self.router_bf16.is_none() => RouterKernel::Wide,
+            Some(k) => k,
+            None => RouterKernel::Bf16,
+        }
     }
 
     pub fn spec(&self) -> &MoeSpec {
@@ -1417,7 +1538,8 @@ impl CudaLayer {
         self.dev
     }
 
-    /// Device bytes a workspace for `tokens` tokens takes.
+    /// Device bytes a workspace for `tokens` tokens takes (an upper bound: it counts the
+    /// router's partial sums from the bf16 router kernel's 128 tokens, whatever the router).
     pub fn workspace_bytes(spec: &MoeSpec, tokens: usize) -> usize {
         let (h, i, e, k) = (
             spec.shape.hidden,
@@ -1429,7 +1551,7 @@ impl CudaLayer {
         let w = spec.shared_intermediate.unwrap_or(0);
         4 * (2 * tokens * h
             + tokens * e
-            + router_part_len(tokens, h, e)
+            + router_part_len(tokens, h, e, router_tiled_from(RouterKernel::Bf16))
             + 2 * p
             + 2 * (e + 1)
             + 2 * p
@@ -1476,7 +1598,7 @@ impl CudaLayer {
             tokens,
             x: f(tokens * h)?,
             logits: f(tokens * e)?,
-            router_part: f(router_part_len(tokens, h, e))?,
+            router_part: f(router_part_len(tokens, h, e, self.router_tiled_from()))?,
             ids: i32s(p)?,
             weights: f(p)?,
             out: f(tokens * h)?,
@@ -1619,20 +1741,24 @@ impl CudaLayer {
                 // weight 32 to 128 times less often: the 64 x 128 tiles of the wide kernel,
                 // faster than the 64 x 64 SIMT and the TF32 tiles at every size measured
                 // (run 64: 1024 to 16384 tokens, both presets).
-                let kernel = self
-                    .router_kernel
-                    .or_else(RouterKernel::from_env)
-                    .unwrap_or(RouterKernel::Wide);
+                let kernel = self.router_kernel();
                 let (x, l) = (ptr(&ws.x, st), ptr(&ws.logits, st));
                 let rp = ptr(router, st);
-                if ws.tokens >= ROUTER_TILED_FROM && kernel == RouterKernel::Wide {
-                    self.router_logits_wide(ws, x, rp, l)?;
-                    return self.route_topk(ws, l);
+                let tiled = ws.tokens >= self.router_tiled_from();
+                if tiled {
+                    if let (RouterKernel::Bf16, Some((wb, hp))) = (kernel, &self.router_bf16) {
+                        self.router_logits_split_k(ws, RouterKernel::Bf16, x, ptr(wb, st), *hp, l)?;
+                        return self.route_topk(ws, l);
+                    }
+                    if kernel == RouterKernel::Wide {
+                        self.router_logits_split_k(ws, RouterKernel::Wide, x, rp, 0, l)?;
+                        return self.route_topk(ws, l);
+                    }
                 }
-                let (name, cfg) = if ws.tokens >= ROUTER_TILED_FROM {
+                let (name, cfg) = if tiled {
                     // Tiles of 64 tokens x 64 experts (SIMT) or 32 x 32 (TF32).
                     let (name, tile, threads) = match kernel {
-                        RouterKernel::Simt | RouterKernel::Wide => {
+                        RouterKernel::Simt | RouterKernel::Wide | RouterKernel::Bf16 => {
                             ("router_logits_tiled", (64, 64), 256)
                         }
                         RouterKernel::Tf32x3 => {
@@ -1667,23 +1793,44 @@ impl CudaLayer {
         self.route_topk(ws, logits_ptr)
     }
 
-    /// `router_logits_wide` into `logits` (through `ws.router_part` and `router_sum_splits`
-    /// where it splits k).
-    fn router_logits_wide(
+    /// The 64 x 128 router tiles into `logits`, through `ws.router_part` and
+    /// `router_sum_splits` where they split k: `router_logits_wide` (`router` the f32 weight)
+    /// or `router_logits_bf16` (`router` the bf16 copy, `hidden_pad` its row stride).
+    fn router_logits_split_k(
         &self,
         ws: &CudaWorkspace,
+        kernel: RouterKernel,
         x: u64,
         router: u64,
+        hidden_pad: usize,
         logits: u64,
     ) -> Result<()> {
         let st = &self.dev.stream;
         let (tokens, hidden, experts) =
             (ws.tokens, self.spec.shape.hidden, self.spec.shape.experts);
-        let (splits, k_split) = router_wide_splits(tokens, hidden, experts);
+        let bf16 = kernel == RouterKernel::Bf16;
+        let (splits, k_split) = if bf16 {
+            router_bf16_splits(tokens, hidden, experts)
+        } else {
+            router_wide_splits(tokens, hidden, experts)
+        };
         let out = if splits > 1 {
             ptr(&ws.router_part, st)
         } else {
             logits
+        };
+        let (name, threads, shared) = if bf16 {
+            (
+                "router_logits_bf16",
+                ROUTER_BF16_THREADS,
+                ROUTER_BF16_SHARED,
+            )
+        } else {
+            (
+                "router_logits_wide",
+                ROUTER_WIDE_THREADS,
+                ROUTER_WIDE_SHARED,
+            )
         };
         let cfg = LaunchConfig {
             grid_dim: (
@@ -1691,18 +1838,22 @@ impl CudaLayer {
                 experts.div_ceil(ROUTER_WIDE_TILE.1) as u32,
                 splits as u32,
             ),
-            block_dim: (ROUTER_WIDE_THREADS, 1, 1),
-            shared_mem_bytes: ROUTER_WIDE_SHARED,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: shared,
         };
-        let (t, h, e, ks) = (tokens as i32, hidden as i32, experts as i32, k_split as i32);
-        self.launch("router_logits_wide", cfg, |b| {
-            b.arg(&x)
-                .arg(&router)
-                .arg(&out)
-                .arg(&t)
-                .arg(&h)
-                .arg(&e)
-                .arg(&ks);
+        let (t, h, hp, e, ks) = (
+            tokens as i32,
+            hidden as i32,
+            hidden_pad as i32,
+            experts as i32,
+            k_split as i32,
+        );
+        self.launch(name, cfg, |b| {
+            b.arg(&x).arg(&router).arg(&out).arg(&t).arg(&h);
+            if bf16 {
+                b.arg(&hp);
+            }
+            b.arg(&e).arg(&ks);
         })?;
         if splits > 1 {
             let n = (tokens * experts) as i32;
@@ -2431,12 +2582,7 @@ impl CudaLayer {
 
         let y = ptr(&ws.out, st);
         let (tt, kk) = (t as i32, k as i32);
-        let n = (t * h) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = combine_launch(t, h);
         let mut args: [*mut c_void; 6] = [
             &o as *const u64 as *mut c_void,
             &sh_o as *const u64 as *mut c_void,
@@ -2580,21 +2726,75 @@ mod tests {
         assert_eq!(router_wide_splits(16384, 2688, 128), (1, 2688));
         assert_eq!(router_wide_splits(4096, 2688, 128), (4, 672));
         assert_eq!(router_wide_splits(1024, 2688, 128), (8, 336));
-        for tokens in [1, 63, 1024, 1100, 2047, 4096, 8191, 16384, 40000] {
-            for hidden in [4, 64, 132, 2064, 2688, 7168] {
-                for experts in [8, 100, 128, 512] {
-                    let (splits, k) = router_wide_splits(tokens, hidden, experts);
+        // The bf16 kernel's 32-k chunks: at most as many slices, each a multiple of 32.
+        assert_eq!(router_bf16_splits(4096, 2688, 128), (4, 672));
+        assert_eq!(router_bf16_splits(1024, 2688, 128), (8, 352));
+        for tokens in [1usize, 63, 1024, 1100, 2047, 4096, 8191, 16384, 40000] {
+            for hidden in [4usize, 64, 132, 2064, 2688, 7168] {
+                for experts in [8usize, 100, 128, 512] {
                     let tiles = tokens.div_ceil(64) * experts.div_ceil(128);
-                    assert!(k % ROUTER_WIDE_K == 0 && (1..=8).contains(&splits));
-                    // Every slice holds some k, and together they hold all of it.
-                    assert!((splits - 1) * k < hidden && splits * k >= hidden);
-                    assert!(splits == 1 || splits * tiles <= ROUTER_WIDE_WAVE);
-                    assert!(splits == 1 || k >= 8 * ROUTER_WIDE_K);
-                    let part = router_part_len(tokens, hidden, experts);
-                    assert_eq!(part == 0, tokens < ROUTER_TILED_FROM || splits == 1);
+                    let mut most = 0;
+                    for (chunk, (splits, k)) in [
+                        (ROUTER_WIDE_K, router_wide_splits(tokens, hidden, experts)),
+                        (ROUTER_BF16_K, router_bf16_splits(tokens, hidden, experts)),
+                    ] {
+                        assert!(k % chunk == 0 && (1..=8).contains(&splits));
+                        // Every slice holds some k, and together they hold all of it.
+                        assert!((splits - 1) * k < hidden && splits * k >= hidden);
+                        assert!(splits == 1 || splits * tiles <= ROUTER_WIDE_WAVE);
+                        assert!(splits == 1 || k >= 8 * chunk);
+                        most = most.max(splits);
+                    }
+                    // Room for either kernel's partial sums.
+                    let part = router_part_len(tokens, hidden, experts, ROUTER_TILED_FROM);
+                    let split = tokens >= ROUTER_TILED_FROM && most > 1;
+                    assert_eq!(part, if split { most * tokens * experts } else { 0 });
                 }
             }
         }
+    }
+
+    #[test]
+    fn router_bf16_copy_is_padded_and_only_for_bf16_routers() {
+        let (e, h) = (3, 36);
+        let router: Vec<f32> = (0..e * h).map(|i| (i as f32 - 50.0) * 0.375).collect();
+        let (w, hp) = router_bf16_copy(&router, e, h).unwrap();
+        assert_eq!((hp, w.len()), (64, 128 * 64));
+        for (i, v) in w.iter().enumerate() {
+            let (row, col) = (i / hp, i % hp);
+            let want = if row < e && col < h {
+                router[row * h + col]
+            } else {
+                0.0
+            };
+            assert_eq!(half::bf16::from_bits(*v).to_f32(), want, "({row}, {col})");
+        }
+        // One f32-only weight, a non-finite one, or H not a multiple of 4: the f32 kernels.
+        let mut f32_only = router.clone();
+        f32_only[7] = 1.0 + f32::EPSILON;
+        assert!(router_bf16_copy(&f32_only, e, h).is_none());
+        let mut inf = router.clone();
+        inf[0] = f32::INFINITY;
+        assert!(router_bf16_copy(&inf, e, h).is_none());
+        assert!(router_bf16_copy(&router[..e * 34], e, 34).is_none());
+    }
+
+    #[test]
+    fn combine_launch_covers_each_column_once() {
+        for hidden in [1, 3, 4, 31, 2048, 2064, 2688, 2880, 7168, 7170] {
+            let cfg = combine_launch(5, hidden);
+            let units = if hidden % 4 == 0 { hidden / 4 } else { hidden };
+            let (blocks, threads) = (cfg.grid_dim.1 as usize, cfg.block_dim.0 as usize);
+            assert_eq!(cfg.grid_dim.0, 5);
+            assert!(threads % 32 == 0 && threads <= 256, "{hidden}: {threads}");
+            assert!(blocks * threads >= units && (blocks - 1) * threads < units);
+            assert!(
+                blocks * threads - units < 32 * blocks,
+                "{hidden}: idle warps"
+            );
+        }
+        assert_eq!(combine_launch(1, 2688).grid_dim.1, 3);
+        assert_eq!(combine_launch(1, 2688).block_dim.0, 224);
     }
 
     #[test]
@@ -2690,6 +2890,15 @@ mod tests {
         assert_eq!(wide("RW_THREADS"), ROUTER_WIDE_THREADS as usize);
         assert_eq!(wide("RW_STAGES"), ROUTER_WIDE_STAGES);
         assert_eq!(wide("RW_LD"), ROUTER_WIDE_LD);
+        // The bf16 kernel's (the wide kernel's tile).
+        assert_eq!((wide("RB_TOK"), wide("RB_EXP")), ROUTER_WIDE_TILE);
+        assert_eq!(wide("RB_K"), ROUTER_BF16_K);
+        assert_eq!(wide("RB_THREADS"), ROUTER_BF16_THREADS as usize);
+        assert_eq!(wide("RB_STAGES"), ROUTER_BF16_STAGES);
+        assert_eq!(
+            (wide("RB_XLD"), wide("RB_WLD")),
+            (ROUTER_BF16_XLD, ROUTER_BF16_WLD)
+        );
         let routing_cuh = compile::kernel_text("routing.cuh");
         assert!(routing_cuh.contains(&format!("#define RL_SLICES {ROUTER_SLICES}\n")));
         let max = format!("#define RL_SLICED_MAX_LOGITS {ROUTER_SLICED_MAX_LOGITS}\n");
@@ -2756,23 +2965,55 @@ mod tests {
     fn route_path_follows_tokens_and_the_fused_kernels_limits() {
         use RoutePath::{Fused, Split};
         let (h200, sm89) = (227 * 1024, 99 * 1024);
+        let f32_tiles = ROUTER_TILED_FROM;
         // Nemotron-3 Nano (E 128, top-6): fused up to the threshold, split above.
-        assert_eq!(RoutePath::choose(1, 6, 128, h200, None), Fused);
+        assert_eq!(RoutePath::choose(1, 6, 128, h200, f32_tiles, None), Fused);
         let max = ROUTE_FUSED_MAX_TOKENS;
-        assert_eq!(RoutePath::choose(max, 6, 128, h200, None), Fused);
-        assert_eq!(RoutePath::choose(max + 1, 6, 128, h200, None), Split);
+        assert_eq!(RoutePath::choose(max, 6, 128, h200, f32_tiles, None), Fused);
+        assert_eq!(
+            RoutePath::choose(max + 1, 6, 128, h200, f32_tiles, None),
+            Split
+        );
         // Forced either way (the layer's override or FP4MOE_ROUTE) ...
-        assert_eq!(RoutePath::choose(1, 6, 128, h200, Some(Split)), Split);
-        assert_eq!(RoutePath::choose(1023, 4, 128, h200, Some(Fused)), Fused);
+        assert_eq!(
+            RoutePath::choose(1, 6, 128, h200, f32_tiles, Some(Split)),
+            Split
+        );
+        assert_eq!(
+            RoutePath::choose(1023, 4, 128, h200, f32_tiles, Some(Fused)),
+            Fused
+        );
         // ... but never fused beyond its one-block sort, the device's shared memory or the
         // split path's untiled router logits (bitwise equality).
-        assert_eq!(RoutePath::choose(683, 6, 128, h200, Some(Fused)), Split);
-        assert_eq!(RoutePath::choose(1024, 4, 128, h200, Some(Fused)), Split);
+        assert_eq!(
+            RoutePath::choose(683, 6, 128, h200, f32_tiles, Some(Fused)),
+            Split
+        );
+        assert_eq!(
+            RoutePath::choose(1024, 4, 128, h200, f32_tiles, Some(Fused)),
+            Split
+        );
+        // A bf16 router's tiled kernel from 128 tokens.
+        let bf16_tiles = ROUTER_BF16_FROM;
+        assert_eq!(
+            RoutePath::choose(127, 4, 128, h200, bf16_tiles, Some(Fused)),
+            Fused
+        );
+        assert_eq!(
+            RoutePath::choose(128, 4, 128, h200, bf16_tiles, Some(Fused)),
+            Split
+        );
         let tiny = route_small_smem(1, 128, true) - 1;
-        assert_eq!(RoutePath::choose(1, 6, 128, tiny, None), Split);
-        assert_eq!(RoutePath::choose(1, 6, 128, tiny, Some(Fused)), Split);
+        assert_eq!(RoutePath::choose(1, 6, 128, tiny, f32_tiles, None), Split);
+        assert_eq!(
+            RoutePath::choose(1, 6, 128, tiny, f32_tiles, Some(Fused)),
+            Split
+        );
         // The limits (E 512, top-32) at the threshold fit sm_86/89's 99 KB.
-        assert_eq!(RoutePath::choose(max, 32, 512, sm89, None), Fused);
+        assert_eq!(
+            RoutePath::choose(max, 32, 512, sm89, f32_tiles, None),
+            Fused
+        );
         // Shared memory: top-k scratch (2·E + 64 floats per warp, at most 16 warps) or the
         // sort's 33·E ints, whichever is larger.
         assert_eq!(route_small_smem(1, 128, true), 4 * 33 * 128);
