@@ -321,7 +321,7 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
 }
 
 // The same logits on bf16 tensor cores, for router weights that are bf16 values (checked at
-// upload: every checkpoint's router is bf16, kept as f32 by the loader). Each x value splits
+// upload; a router stored as bf16 in its checkpoint, the usual case, loads as such). Each x value splits
 // exactly into three bf16 pieces, v = hi + mid + lo (hi = bf16(v), mid = bf16(v - hi), lo = v -
 // hi - mid: 8 + 8 + 8 significand bits cover f32's 24), so every product x·w is exact and only
 // the accumulation rounds. A warp whose 16 x 16 A fragment is all bf16 values (activations of a

@@ -782,9 +782,9 @@ const ROUTER_BF16_SHARED: u32 = (ROUTER_BF16_STAGES
     as u32;
 
 /// The router `[E, H]` as bf16 for `router_logits_bf16`, zero-padded to
-/// `[E.div_ceil(128)·128, H.div_ceil(32)·32]`, where every weight is a finite bf16 value (any
-/// checkpoint's router: ModelOpt keeps routers in bf16) and `H % 4 == 0` (its 16-byte x
-/// copies); `None` otherwise, which leaves the f32 kernels.
+/// `[E.div_ceil(128)·128, H.div_ceil(32)·32]`, where every weight is a finite bf16 value (a
+/// router stored in bf16 in its checkpoint, the usual case: ModelOpt leaves routers unquantized)
+/// and `H % 4 == 0` (its 16-byte x copies); `None` otherwise, which leaves the f32 kernels.
 fn router_bf16_copy(router: &[f32], experts: usize, hidden: usize) -> Option<(Vec<u16>, usize)> {
     let exact = |v: &f32| v.is_finite() && half::bf16::from_f32(*v).to_f32() == *v;
     if hidden % 4 != 0 || router.len() != experts * hidden || !router.iter().all(exact) {
@@ -801,13 +801,14 @@ fn router_bf16_copy(router: &[f32], experts: usize, hidden: usize) -> Option<(Ve
     Some((out, hp))
 }
 
-/// How the router logits of [`ROUTER_TILED_FROM`] tokens or more are computed.
+/// How the router logits of tiled batches are computed (from [`ROUTER_BF16_FROM`] tokens for
+/// [`RouterKernel::Bf16`], [`ROUTER_TILED_FROM`] for the others).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouterKernel {
     /// `router_logits_tiled`: f32 FMAs in 64 x 64 tiles, each logit one thread's sequential
     /// sum over k.
     Simt,
-    /// `router_logits_wide` (the default): f32 FMAs in 64-token x 128-expert tiles, k split
+    /// `router_logits_wide` (the default for f32 routers): f32 FMAs in 64-token x 128-expert tiles, k split
     /// into slices summed in a fixed order where the tiles alone would not fill one wave
     /// ([`router_wide_splits`]; the split depends on T, H and E only, so the logits are the
     /// same bits on every device); unsplit, the bits of [`RouterKernel::Simt`]. Run 64 (routing
@@ -1461,8 +1462,10 @@ impl CudaLayer {
         self.prefill_tile = tile;
     }
 
-    /// Forces how later forwards compute router logits from 1024 tokens (`None`:
-    /// `FP4MOE_ROUTER`, else [`RouterKernel::Wide`]).
+    /// Forces how later forwards compute router logits from [`CudaLayer::router_tiled_from`]
+    /// tokens (`None`: `FP4MOE_ROUTER`, else [`RouterKernel::Bf16`] for a router of bf16
+    /// values, [`RouterKernel::Wide`] otherwise). The threshold follows the kernel: 128 tokens
+    /// for the bf16 one, 1024 for the others.
     pub fn set_router_kernel(&mut self, kernel: Option<RouterKernel>) {
         self.router_kernel = kernel;
     }
@@ -1736,11 +1739,11 @@ impl CudaLayer {
             Some(l) => ptr(l, st),
             None => {
                 let router = self.router_weight()?;
-                // A warp per logit keeps the latency low for a few tokens; from
-                // ROUTER_TILED_FROM tokens a shared-memory tiled kernel reads x and the router
-                // weight 32 to 128 times less often: the 64 x 128 tiles of the wide kernel,
-                // faster than the 64 x 64 SIMT and the TF32 tiles at every size measured
-                // (run 64: 1024 to 16384 tokens, both presets).
+                // A warp per logit keeps the latency low for a few tokens; from the tiled
+                // threshold a shared-memory tiled kernel reads x and the router weight 32 to
+                // 128 times less often: for a bf16 router the bf16 tensor-core tiles from 128
+                // tokens (run 69), else from 1024 the wide kernel's 64 x 128 f32 tiles, faster
+                // than the 64 x 64 SIMT and the TF32 tiles at every size measured (run 64).
                 let kernel = self.router_kernel();
                 let (x, l) = (ptr(&ws.x, st), ptr(&ws.logits, st));
                 let rp = ptr(router, st);
