@@ -864,6 +864,59 @@ fn router_logits_bf16_match_the_cpu() {
 }
 
 #[test]
+fn router_logits_bf16_keep_every_bit_of_x() {
+    if !common::gpu_available() {
+        return;
+    }
+    // Router row j one-hot at k_j (weights 1 and 0, bf16 values): each logit is x[t, k_j] alone,
+    // exact in f32, so the kernel must return x's full-f32 values: a lost, doubled or misplaced
+    // lo or mid piece moves them by 2^-18 to 2^-8 relative (the sum test above cannot see lo).
+    // 200 experts: two expert tiles. The workspaces are made while another router kernel is
+    // forced (threshold 1024), and must still hold the bf16 kernel's k split (8 slices).
+    let (h, e) = (2064, 200);
+    let s = spec(h, 128, e, 6, Activation::Relu2NoMul, QuantMode::W4A16);
+    let mut w = random_weights(&s, 25).unwrap();
+    let hot = |j: usize| (j * 977 + 5) % h;
+    for (j, row) in w.router.as_mut().unwrap().chunks_mut(h).enumerate() {
+        row.fill(0.0);
+        row[hot(j)] = 1.0;
+    }
+    let mut layer = CudaLayer::new(&s, &w).unwrap();
+    let st = layer.stream().clone();
+    for tokens in [300, 1100] {
+        assert_eq!(router_bf16_splits(tokens, h, e).0, 8);
+        let mut x = random_tokens(tokens, h, 26 + tokens as u64);
+        for (i, v) in x.iter_mut().enumerate().filter(|(_, v)| **v != 0.0) {
+            // Fill the 16 mantissa bits a bf16 value leaves zero.
+            *v = f32::from_bits(v.to_bits() | ((i as u32).wrapping_mul(2_654_435_761) >> 16));
+        }
+        layer.set_router_kernel(Some(RouterKernel::Simt));
+        let mut ws = layer.workspace(tokens).unwrap();
+        layer.set_router_kernel(None);
+        st.memcpy_htod(&x, &mut ws.x).unwrap();
+        layer.forward_device(&mut ws, None).unwrap();
+        let got = st.clone_dtoh(&ws.logits).unwrap();
+        let (mut worst, mut same) = (0f64, 0);
+        for t in 0..tokens {
+            for j in 0..e {
+                let (g, want) = (got[t * e + j], x[t * h + hot(j)]);
+                same += usize::from(g.to_bits() == want.to_bits());
+                let rel = f64::from(g - want).abs() / f64::from(want.abs()).max(1e-30);
+                worst = worst.max(rel);
+            }
+        }
+        println!(
+            "router logits T{tokens} Bf16, one-hot router: {same} of {} bitwise x, worst rel err {worst:.3e}",
+            tokens * e
+        );
+        assert!(
+            worst <= 2f64.powi(-22),
+            "T{tokens}: one-hot logits off x by {worst:e} relative"
+        );
+    }
+}
+
+#[test]
 fn graph_capture_replays_the_layer() {
     if !common::gpu_available() {
         return;

@@ -1541,8 +1541,8 @@ impl CudaLayer {
         self.dev
     }
 
-    /// Device bytes a workspace for `tokens` tokens takes (an upper bound: it counts the
-    /// router's partial sums from the bf16 router kernel's 128 tokens, whatever the router).
+    /// Device bytes a workspace for `tokens` tokens takes (it counts the router's partial sums
+    /// from the bf16 router kernel's 128 tokens, whatever the router, as `workspace` allocates).
     pub fn workspace_bytes(spec: &MoeSpec, tokens: usize) -> usize {
         let (h, i, e, k) = (
             spec.shape.hidden,
@@ -1601,7 +1601,15 @@ impl CudaLayer {
             tokens,
             x: f(tokens * h)?,
             logits: f(tokens * e)?,
-            router_part: f(router_part_len(tokens, h, e, self.router_tiled_from()))?,
+            // Sized for the lowest tiled threshold whatever this layer's router kernel is now:
+            // the kernel can be changed after the workspace exists (`set_router_kernel`), and
+            // layers of one spec can share workspaces.
+            router_part: f(router_part_len(
+                tokens,
+                h,
+                e,
+                router_tiled_from(RouterKernel::Bf16),
+            ))?,
             ids: i32s(p)?,
             weights: f(p)?,
             out: f(tokens * h)?,
@@ -1818,6 +1826,14 @@ impl CudaLayer {
             router_wide_splits(tokens, hidden, experts)
         };
         let out = if splits > 1 {
+            // The kernel writes `splits` slices of T·E partial sums.
+            if ws.router_part.len() < splits * tokens * experts {
+                return Err(Error::arg(
+                    "workspace",
+                    "router_part is too small for this router kernel's k split: \
+                     allocate the workspace with this layer's spec",
+                ));
+            }
             ptr(&ws.router_part, st)
         } else {
             logits
@@ -2732,7 +2748,9 @@ mod tests {
         // The bf16 kernel's 32-k chunks: at most as many slices, each a multiple of 32.
         assert_eq!(router_bf16_splits(4096, 2688, 128), (4, 672));
         assert_eq!(router_bf16_splits(1024, 2688, 128), (8, 352));
-        for tokens in [1usize, 63, 1024, 1100, 2047, 4096, 8191, 16384, 40000] {
+        for tokens in [
+            1usize, 63, 127, 128, 300, 1024, 1100, 2047, 4096, 8191, 16384, 40000,
+        ] {
             for hidden in [4usize, 64, 132, 2064, 2688, 7168] {
                 for experts in [8usize, 100, 128, 512] {
                     let tiles = tokens.div_ceil(64) * experts.div_ceil(128);
@@ -2748,10 +2766,12 @@ mod tests {
                         assert!(splits == 1 || k >= 8 * chunk);
                         most = most.max(splits);
                     }
-                    // Room for either kernel's partial sums.
-                    let part = router_part_len(tokens, hidden, experts, ROUTER_TILED_FROM);
-                    let split = tokens >= ROUTER_TILED_FROM && most > 1;
-                    assert_eq!(part, if split { most * tokens * experts } else { 0 });
+                    // Room for either kernel's partial sums, from either threshold.
+                    for from in [ROUTER_BF16_FROM, ROUTER_TILED_FROM] {
+                        let part = router_part_len(tokens, hidden, experts, from);
+                        let split = tokens >= from && most > 1;
+                        assert_eq!(part, if split { most * tokens * experts } else { 0 });
+                    }
                 }
             }
         }
