@@ -52,7 +52,7 @@
 //
 // Work: blockIdx.x = row tile, blockIdx.y = the y-th (expert, NT-token tile) in active-expert
 // order; blocks past the last tile exit. An expert's last tile runs the narrowest width that holds
-// its tokens (NT or NT / 2; wide tiles 256, 192, 128 or 64). Each output is summed by one thread
+// its tokens (NT or NT / 2, small tiles also NT / 4; wide tiles 256, 192, 128 or 64). Each output is summed by one thread
 // in a fixed order, the same for every width and tile: results are deterministic and equal
 // across tiles.
 #include "gemm_common.cuh"
@@ -283,6 +283,16 @@ __device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[2][4], const u32 a
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+__device__ __forceinline__ void wgmma_m64n8k16_rs(float (&d)[1][4], const u32 a[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3"
+        "}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
 // acc += A · B over NC token columns (one m64nNCk16 per warpgroup).
 // NC > 128 (wide tiles): m64n128k16 on the first 128 columns, then the rest on B's rows 128..,
 // 128 rows x 128 bytes further (a multiple of the 1024-byte swizzle atom, so the descriptor's
@@ -295,7 +305,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NC / 8][4], const u32 a[4], 
     } else if constexpr (NC == 128) wgmma_m64n128k16_rs(d, a, desc_b);
     else if constexpr (NC == 64) wgmma_m64n64k16_rs(d, a, desc_b);
     else if constexpr (NC == 32) wgmma_m64n32k16_rs(d, a, desc_b);
-    else wgmma_m64n16k16_rs(d, a, desc_b);
+    else if constexpr (NC == 16) wgmma_m64n16k16_rs(d, a, desc_b);
+    else wgmma_m64n8k16_rs(d, a, desc_b);
 }
 
 #endif  // PF_WGMMA
@@ -459,7 +470,7 @@ template <bool GATED, int STAGE, int NC, int NT, int SLOTS, int HALVES, int TMA>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring,
                                              const PairTable* pairs, int e, int base, int n_e, int t0, int nvalid,
                                              const TmaMap* tm, u64* bars) {
-    static_assert(NC <= NT && NC % 16 == 0, "a tile's width fits its ring");
+    static_assert(NC <= NT && NC % 8 == 0, "a tile's width fits its ring");
     constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
     constexpr int STAGES = PF_STAGES, AHEAD = STAGES - 2;
     constexpr int B_BYTES = NT * 128, W_BYTES = SLOTS * 512, STAGE_BYTES = pf_stage_bytes(NT, SLOTS);
@@ -677,6 +688,11 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
         else if (nvalid > 128) PF_TILE(192);
         else if (nvalid > 64) PF_TILE(128);
         else PF_TILE(64);
+    } else if constexpr (NT == PF_NT_SMALL) {
+        // Few tokens per expert (decode-sized batches): 8 columns where they hold the tile.
+        if (nvalid > NT / 2) PF_TILE(NT);
+        else if (nvalid > NT / 4) PF_TILE(NT / 2);
+        else PF_TILE(NT / 4);
     } else {
         if (nvalid > NT / 2) PF_TILE(NT);
         else PF_TILE(NT / 2);
