@@ -2988,45 +2988,28 @@ mod tests {
     fn route_path_follows_tokens_and_the_fused_kernels_limits() {
         use RoutePath::{Fused, Split};
         let (h200, sm89) = (227 * 1024, 99 * 1024);
-        let f32_tiles = ROUTER_TILED_FROM;
+        // E 128 on the H200, f32 router tiles (from 1024 tokens) unless `from` says otherwise.
+        let on_h200_from =
+            |tokens, top_k, from, forced| RoutePath::choose(tokens, top_k, 128, h200, from, forced);
+        let on_h200 =
+            |tokens, top_k, forced| on_h200_from(tokens, top_k, ROUTER_TILED_FROM, forced);
         // Nemotron-3 Nano (E 128, top-6): fused up to the threshold, split above.
-        assert_eq!(RoutePath::choose(1, 6, 128, h200, f32_tiles, None), Fused);
+        assert_eq!(on_h200(1, 6, None), Fused);
         let max = ROUTE_FUSED_MAX_TOKENS;
-        assert_eq!(RoutePath::choose(max, 6, 128, h200, f32_tiles, None), Fused);
-        assert_eq!(
-            RoutePath::choose(max + 1, 6, 128, h200, f32_tiles, None),
-            Split
-        );
+        assert_eq!(on_h200(max, 6, None), Fused);
+        assert_eq!(on_h200(max + 1, 6, None), Split);
         // Forced either way (the layer's override or FP4MOE_ROUTE) ...
-        assert_eq!(
-            RoutePath::choose(1, 6, 128, h200, f32_tiles, Some(Split)),
-            Split
-        );
-        assert_eq!(
-            RoutePath::choose(1023, 4, 128, h200, f32_tiles, Some(Fused)),
-            Fused
-        );
+        assert_eq!(on_h200(1, 6, Some(Split)), Split);
+        assert_eq!(on_h200(1023, 4, Some(Fused)), Fused);
         // ... but never fused beyond its one-block sort, the device's shared memory or the
         // split path's untiled router logits (bitwise equality).
-        assert_eq!(
-            RoutePath::choose(683, 6, 128, h200, f32_tiles, Some(Fused)),
-            Split
-        );
-        assert_eq!(
-            RoutePath::choose(1024, 4, 128, h200, f32_tiles, Some(Fused)),
-            Split
-        );
+        assert_eq!(on_h200(683, 6, Some(Fused)), Split);
+        assert_eq!(on_h200(1024, 4, Some(Fused)), Split);
         // A bf16 router's tiled kernel from 128 tokens.
-        let bf16_tiles = ROUTER_BF16_FROM;
-        assert_eq!(
-            RoutePath::choose(127, 4, 128, h200, bf16_tiles, Some(Fused)),
-            Fused
-        );
-        assert_eq!(
-            RoutePath::choose(128, 4, 128, h200, bf16_tiles, Some(Fused)),
-            Split
-        );
+        assert_eq!(on_h200_from(127, 4, ROUTER_BF16_FROM, Some(Fused)), Fused);
+        assert_eq!(on_h200_from(128, 4, ROUTER_BF16_FROM, Some(Fused)), Split);
         let tiny = route_small_smem(1, 128, true) - 1;
+        let f32_tiles = ROUTER_TILED_FROM;
         assert_eq!(RoutePath::choose(1, 6, 128, tiny, f32_tiles, None), Split);
         assert_eq!(
             RoutePath::choose(1, 6, 128, tiny, f32_tiles, Some(Fused)),
