@@ -857,10 +857,13 @@ pub enum GemmPath {
 pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
 
 /// Mean tokens per expert, in quarters, from which the prefill kernels take over once a batch
-/// has [`PREFILL_SPARSE_MIN_PAIRS`] routed pairs (3: from 0.75 tokens per expert). Measured on
-/// Nemotron-3 Nano (E 128, top-6; docs/KERNEL_NOTES.md runs 66–67): the 32-token tiles 2–7 %
-/// faster than the decode kernels from 16 tokens (96 pairs) to 48, 10 % slower at 12 (72).
-pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 3;
+/// has [`PREFILL_SPARSE_MIN_PAIRS`] routed pairs (2: from 0.5 tokens per expert). Measured
+/// (docs/KERNEL_NOTES.md runs 66–67, 71 and 73): with the 32-token tiles' 8-column MMAs (run
+/// 71) the prefill path beats the decode kernels on Qwen3-30B-A3B (E 128, top-8) at 8 and 10
+/// tokens (0.5 and 0.625 per expert) by 6 %, and on Nemotron-3 Nano (E 128, top-6) at 11 and 14
+/// tokens by 10 and 4 %, 5 % slower at 12 (run 73); from 16 tokens by 2–7 % (runs 66–67: 0.75,
+/// the rule before run 73).
+pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 2;
 
 /// Routed pairs from which [`PREFILL_FROM_QUARTERS_PER_EXPERT`] applies: below, the 3-per-expert
 /// rule stands, so layers with few experts keep the streaming decode kernels for one or two
@@ -2823,11 +2826,15 @@ mod tests {
     #[test]
     fn gemm_path_follows_tokens_per_expert_and_shared_memory() {
         let h200 = 227 * 1024;
-        // Nemotron-3 Nano (E 128, top-6): 12 tokens = 0.5625 per expert, 16 = 0.75.
-        assert_eq!(GemmPath::choose(12 * 6, 128, h200, None), GemmPath::Decode);
-        // Exactly the threshold takes prefill.
-        assert_eq!(GemmPath::choose(16 * 6, 128, h200, None), GemmPath::Prefill);
-        assert_eq!(GemmPath::choose(15 * 6, 128, h200, None), GemmPath::Decode);
+        // Nemotron-3 Nano (E 128, top-6): 10 tokens = 60 pairs (below 64), 11 = 66 pairs
+        // (0.52 per expert); Qwen3 (E 128, top-8): 8 tokens = 64 pairs = 0.5 per expert.
+        assert_eq!(GemmPath::choose(10 * 6, 128, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(11 * 6, 128, h200, None), GemmPath::Prefill);
+        assert_eq!(GemmPath::choose(7 * 8, 128, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(8 * 8, 128, h200, None), GemmPath::Prefill);
+        // 256 experts (top-8): 0.5 per expert is 128 pairs, 16 tokens.
+        assert_eq!(GemmPath::choose(127, 256, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(128, 256, h200, None), GemmPath::Prefill);
         // Few experts: 3 tokens per expert below 64 pairs (8 experts, top-8: one token, 8
         // pairs, stays on the decode kernels; 24 pairs = 3 per expert take prefill).
         assert_eq!(GemmPath::choose(8, 8, h200, None), GemmPath::Decode);
