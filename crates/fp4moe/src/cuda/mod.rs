@@ -1545,7 +1545,8 @@ impl CudaLayer {
     }
 
     /// Device bytes a workspace for `tokens` tokens takes (it counts the router's partial sums
-    /// from the bf16 router kernel's 128 tokens, whatever the router, as `workspace` allocates).
+    /// from the bf16 router kernel's 128 tokens, as `workspace` allocates for a layer with a
+    /// router weight: an upper bound for one without).
     pub fn workspace_bytes(spec: &MoeSpec, tokens: usize) -> usize {
         let (h, i, e, k) = (
             spec.shape.hidden,
@@ -1606,13 +1607,13 @@ impl CudaLayer {
             logits: f(tokens * e)?,
             // Sized for the lowest tiled threshold whatever this layer's router kernel is now:
             // the kernel can be changed after the workspace exists (`set_router_kernel`), and
-            // layers of one spec can share workspaces.
-            router_part: f(router_part_len(
-                tokens,
-                h,
-                e,
-                router_tiled_from(RouterKernel::Bf16),
-            ))?,
+            // layers of one spec can share workspaces. Empty for a layer without a router
+            // weight (its callers pass logits); the split launch checks the length.
+            router_part: f(if self.router.is_some() {
+                router_part_len(tokens, h, e, router_tiled_from(RouterKernel::Bf16))
+            } else {
+                0
+            })?,
             ids: i32s(p)?,
             weights: f(p)?,
             out: f(tokens * h)?,
