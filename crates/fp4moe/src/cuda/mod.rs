@@ -808,10 +808,10 @@ pub enum RouterKernel {
     /// `router_logits_tiled`: f32 FMAs in 64 x 64 tiles, each logit one thread's sequential
     /// sum over k.
     Simt,
-    /// `router_logits_wide` (the default for f32 routers): f32 FMAs in 64-token x 128-expert tiles, k split
-    /// into slices summed in a fixed order where the tiles alone would not fill one wave
-    /// ([`router_wide_splits`]; the split depends on T, H and E only, so the logits are the
-    /// same bits on every device); unsplit, the bits of [`RouterKernel::Simt`]. Run 64 (routing
+    /// `router_logits_wide` (the default for f32 routers): f32 FMAs in 64-token x 128-expert
+    /// tiles, k split into slices summed in a fixed order where the tiles alone would not fill
+    /// one wave ([`router_wide_splits`]; the split depends on T, H and E only, so the logits
+    /// are the same bits on every device); unsplit, the bits of [`RouterKernel::Simt`]. Run 64 (routing
     /// stage, Nemotron): 64 / 97 / 167 / 296 / 548–562 µs at 1024 / 2048 / 4096 / 8192 / 16384
     /// tokens, against 126 / 141 / 176 / 303 / 584–588 (SIMT) and 93 / 132 / 214–218 / 382 /
     /// 724 (TF32).
