@@ -811,10 +811,10 @@ pub enum RouterKernel {
     /// `router_logits_wide` (the default for f32 routers): f32 FMAs in 64-token x 128-expert
     /// tiles, k split into slices summed in a fixed order where the tiles alone would not fill
     /// one wave ([`router_wide_splits`]; the split depends on T, H and E only, so the logits
-    /// are the same bits on every device); unsplit, the bits of [`RouterKernel::Simt`]. Run 64 (routing
-    /// stage, Nemotron): 64 / 97 / 167 / 296 / 548–562 µs at 1024 / 2048 / 4096 / 8192 / 16384
-    /// tokens, against 126 / 141 / 176 / 303 / 584–588 (SIMT) and 93 / 132 / 214–218 / 382 /
-    /// 724 (TF32).
+    /// are the same bits on every device); unsplit, the bits of [`RouterKernel::Simt`]. Run 64
+    /// (routing stage, Nemotron): 64 / 97 / 167 / 296 / 548–562 µs at 1024 / 2048 / 4096 /
+    /// 8192 / 16384 tokens, against 126 / 141 / 176 / 303 / 584–588 (SIMT) and 93 / 132 /
+    /// 214–218 / 382 / 724 (TF32).
     Wide,
     /// `router_logits_tf32x3`: tensor cores in split TF32 (three MMAs per product, f32
     /// accumulation), relative error ~1e-6 against an f32 sum; the default at 1024–2047 tokens
@@ -1356,11 +1356,12 @@ fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
     2048 + act.max(red)
 }
 
-/// `combine`'s launch for `tokens` x `hidden`: a block row per token, each thread 4 columns
-/// (`hidden % 4 == 0`) or 1, the columns split into the fewest blocks of at most 256 threads,
-/// evened out to whole warps (Nemotron's 672 four-column units: 3 blocks of 224).
+/// `combine`'s launch for `tokens` x `hidden` (a multiple of 16, as the spec requires): a
+/// block row per token, each thread 4 columns, the columns split into the fewest blocks of at
+/// most 256 threads, evened out to whole warps (Nemotron's 672 four-column units: 3 blocks of
+/// 224).
 fn combine_launch(tokens: usize, hidden: usize) -> LaunchConfig {
-    let units = if hidden % 4 == 0 { hidden / 4 } else { hidden };
+    let units = hidden / 4;
     let blocks = units.div_ceil(256).max(1);
     let threads = units.div_ceil(blocks).div_ceil(32) * 32;
     LaunchConfig {
@@ -1759,7 +1760,7 @@ impl CudaLayer {
                 let kernel = self.router_kernel();
                 let (x, l) = (ptr(&ws.x, st), ptr(&ws.logits, st));
                 let rp = ptr(router, st);
-                let tiled = ws.tokens >= self.router_tiled_from();
+                let tiled = ws.tokens >= router_tiled_from(kernel);
                 if tiled {
                     if let (RouterKernel::Bf16, Some((wb, hp))) = (kernel, &self.router_bf16) {
                         self.router_logits_split_k(ws, RouterKernel::Bf16, x, ptr(wb, st), *hp, l)?;
@@ -2808,9 +2809,9 @@ mod tests {
 
     #[test]
     fn combine_launch_covers_each_column_once() {
-        for hidden in [1, 3, 4, 31, 2048, 2064, 2688, 2880, 7168, 7170] {
+        for hidden in [16, 48, 2048, 2064, 2688, 2880, 7168, 7184] {
             let cfg = combine_launch(5, hidden);
-            let units = if hidden % 4 == 0 { hidden / 4 } else { hidden };
+            let units = hidden / 4;
             let (blocks, threads) = (cfg.grid_dim.1 as usize, cfg.block_dim.0 as usize);
             assert_eq!(cfg.grid_dim.0, 5);
             assert!(threads % 32 == 0 && threads <= 256, "{hidden}: {threads}");
