@@ -4,8 +4,9 @@
 //
 // scores = softmax(logits) or sigmoid(logits); selection ranks scores + bias; with n_group > 1
 // the topk_group best groups (sum of top-2 biased scores, max without a bias) stay; weights are
-// the unbiased scores of the chosen ids, renormalized (zero sum = 1), times rsf. Ties go to the
-// lower id. Ids are written in rank order. Limits (checked by the host): E <= 1024, top_k <= 32,
+// the unbiased scores of the chosen ids, renormalized (zero sum = 1), times rsf. Scores rank in
+// f32::total_cmp order (NaN above everything), as on the CPU; ties go to the lower id, and no id
+// is chosen twice. Ids are written in rank order. Limits (checked by the host): E <= 1024, top_k <= 32,
 // n_group <= 32.
 #pragma once
 #include "common.cuh"
@@ -72,55 +73,119 @@ __device__ __forceinline__ void router_logits_block(const float* x, const float*
     }
 }
 
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-    return v > bv || (v == bv && i < bi);
+// Rank key of an f32 in Rust's `f32::total_cmp` order (-NaN < -inf < ... < -0 < +0 < ... <
+// +inf < +NaN) as an unsigned integer: the CPU ranks scores this way (routing.rs), so the ids
+// agree for every input, NaN included.
+__device__ __forceinline__ u32 total_key(float v) {
+    const u32 b = __float_as_uint(v);
+    return b ^ ((u32)((int)b >> 31) | 0x80000000u);
 }
 
-// Warp argmax over `vals[0..n)` with ties to the lower index; every lane gets the result.
-__device__ __forceinline__ int warp_argmax(const float* vals, int n) {
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x & 31; i < n; i += 32)
-        if (better(vals[i], i, bv, bi)) { bv = vals[i]; bi = i; }
+// One round of a warp's top-k over entries id = lane + 32·j (j < NPL, id < n; NPL = 0: j <
+// ceil(n / 32), keys read through `key_of(j)` each round): the untaken entry with the largest
+// key, ties to the lowest id, returned to every lane and marked in its lane's `taken` (bit j).
+// Two warp reductions (`redux.sync`) per round where a shuffle argmax took ten shuffles.
+// Callers ask for at most n rounds (top_k <= E, topk_group <= n_group: host checks).
+template <int NPL, typename KeyOf>
+__device__ __forceinline__ int warp_top1(KeyOf key_of, int n, u32& taken) {
+    const int lane = threadIdx.x & 31;
+    const int slots = NPL > 0 ? NPL : (n + 31) / 32;
+    u32 bk = 0;
+    int bj = -1;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-        int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    for (int j = 0; j < (NPL > 0 ? NPL : 32); j++) {
+        if (NPL == 0 && j >= slots) break;
+        if (lane + 32 * j >= n || ((taken >> j) & 1u)) continue;
+        const u32 k = key_of(j);
+        if (bj < 0 || k > bk) {  // ascending j: the first of equal keys has the lowest id
+            bk = k;
+            bj = j;
+        }
     }
-    return bi;
+    const u32 mk = __reduce_max_sync(FULL_MASK, bk);
+    // A lane without an untaken entry offers 0, the smallest key: it joins the maximum only
+    // through mk == 0, and never offers an id.
+    const u32 mine = bj >= 0 && bk == mk ? (u32)(lane + 32 * bj) : 0xffffffffu;
+    const int id = (int)__reduce_min_sync(FULL_MASK, mine);
+    if (bj >= 0 && id == lane + 32 * bj) taken |= 1u << bj;
+    return id;
 }
 
 // Top-k of one token by one whole warp: logits l[0..E) → ids[0..k), weights[0..k).
 // scoring: 0 softmax, 1 sigmoid; bias may be null. `scratch`: 2·E + 64 floats of shared memory
 // owned by this warp. Logits are read with __ldcg (L2, not L1): in route_small other blocks of
-// the same launch wrote them, and an L1 line of this SM could be stale.
-__device__ void topk_token(const float* l, const float* bias, int* ids, float* weights, float* scratch,
-                           int experts, int top_k, int scoring, int n_group, int topk_group, int renormalize,
-                           float rsf) {
-    int lane = threadIdx.x & 31;
+// the same launch wrote them, and an L1 line of this SM could be stale. NPL > 0 (E <= 32·NPL):
+// each lane keeps its experts' logits, bias and biased scores in registers, its logit and bias
+// loads issued together; NPL = 0: any E <= 1024, through `scratch`. Same arithmetic in the same
+// order either way, so the same bits.
+template <int NPL>
+__device__ __forceinline__ void topk_token_impl(const float* l, const float* bias, int* ids, float* weights,
+                                                float* scratch, int experts, int top_k, int scoring, int n_group,
+                                                int topk_group, int renormalize, float rsf) {
+    constexpr int R = NPL > 0 ? NPL : 1;  // register slots (the generic path uses slot 0 per pass)
+    const int lane = threadIdx.x & 31;
     float* scores = scratch;
     float* biased = scores + experts;
     float* gsc = biased + experts;  // [32] group scores, [32] chosen scores
     float* chosen = gsc + 32;
+    float bv[R];
 
-    if (scoring == 0) {
-        float m = -INFINITY;
-        for (int e = lane; e < experts; e += 32) m = fmaxf(m, __ldcg(l + e));
-        m = warp_max(m);
-        float s = 0.0f;
-        for (int e = lane; e < experts; e += 32) {
-            float v = expf(__ldcg(l + e) - m);
-            scores[e] = v;
-            s += v;
+    if (NPL > 0) {
+        float x[R], b[R];
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            const int e = lane + 32 * j;
+            x[j] = e < experts ? __ldcg(l + e) : 0.0f;
+            b[j] = bias && e < experts ? bias[e] : 0.0f;
         }
-        s = warp_sum(s);
-        for (int e = lane; e < experts; e += 32) scores[e] = scores[e] / s;
+        float s[R];
+        if (scoring == 0) {
+            float m = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < R; j++)
+                if (lane + 32 * j < experts) m = fmaxf(m, x[j]);
+            m = warp_max(m);
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < R; j++) {
+                s[j] = expf(x[j] - m);
+                if (lane + 32 * j < experts) sum += s[j];
+            }
+            sum = warp_sum(sum);
+#pragma unroll
+            for (int j = 0; j < R; j++) s[j] = s[j] / sum;
+        } else {
+#pragma unroll
+            for (int j = 0; j < R; j++) s[j] = 1.0f / (1.0f + expf(-x[j]));
+        }
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            const int e = lane + 32 * j;
+            bv[j] = s[j] + (bias ? b[j] : 0.0f);
+            if (e < experts) {
+                scores[e] = s[j];
+                if (n_group > 1) biased[e] = bv[j];
+            }
+        }
     } else {
-        for (int e = lane; e < experts; e += 32) scores[e] = 1.0f / (1.0f + expf(-__ldcg(l + e)));
+        if (scoring == 0) {
+            float m = -INFINITY;
+            for (int e = lane; e < experts; e += 32) m = fmaxf(m, __ldcg(l + e));
+            m = warp_max(m);
+            float s = 0.0f;
+            for (int e = lane; e < experts; e += 32) {
+                float v = expf(__ldcg(l + e) - m);
+                scores[e] = v;
+                s += v;
+            }
+            s = warp_sum(s);
+            for (int e = lane; e < experts; e += 32) scores[e] = scores[e] / s;
+        } else {
+            for (int e = lane; e < experts; e += 32) scores[e] = 1.0f / (1.0f + expf(-__ldcg(l + e)));
+        }
+        __syncwarp();
+        for (int e = lane; e < experts; e += 32) biased[e] = scores[e] + (bias ? bias[e] : 0.0f);
     }
-    __syncwarp();
-    for (int e = lane; e < experts; e += 32) biased[e] = scores[e] + (bias ? bias[e] : 0.0f);
     __syncwarp();
 
     if (n_group > 1) {
@@ -135,28 +200,42 @@ __device__ void topk_token(const float* l, const float* bias, int* ids, float* w
             gsc[lane] = bias ? (per > 1 ? b1 + b2 : b1) : b1;
         }
         __syncwarp();
-        u32 keep = 0;
-        for (int r = 0; r < topk_group; r++) {
-            int g = warp_argmax(gsc, n_group);
-            keep |= 1u << g;
-            __syncwarp();
-            if (lane == 0) gsc[g] = -INFINITY;
+        const u32 gkey = lane < n_group ? total_key(gsc[lane]) : 0u;
+        u32 gtaken = 0, keep = 0;
+        for (int r = 0; r < topk_group; r++) keep |= 1u << warp_top1<1>([&](int) { return gkey; }, n_group, gtaken);
+        if (NPL > 0) {
+#pragma unroll
+            for (int j = 0; j < R; j++) {
+                const int e = lane + 32 * j;
+                if (e < experts && !((keep >> (e / per)) & 1u)) bv[j] = -INFINITY;
+            }
+        } else {
+            for (int e = lane; e < experts; e += 32)
+                if (!((keep >> (e / per)) & 1u)) biased[e] = -INFINITY;
             __syncwarp();
         }
-        for (int e = lane; e < experts; e += 32)
-            if (!((keep >> (e / per)) & 1u)) biased[e] = -INFINITY;
-        __syncwarp();
     }
 
-    for (int r = 0; r < top_k; r++) {
-        int e = warp_argmax(biased, experts);
-        __syncwarp();
-        if (lane == 0) {
-            ids[r] = e;
-            chosen[r] = scores[e];
-            biased[e] = -INFINITY;
+    u32 taken = 0;
+    if (NPL > 0) {
+        u32 key[R];
+#pragma unroll
+        for (int j = 0; j < R; j++) key[j] = total_key(bv[j]);
+        for (int r = 0; r < top_k; r++) {
+            const int e = warp_top1<NPL>([&](int j) { return key[j]; }, experts, taken);
+            if (lane == 0) {
+                ids[r] = e;
+                chosen[r] = scores[e];
+            }
         }
-        __syncwarp();
+    } else {
+        for (int r = 0; r < top_k; r++) {
+            const int e = warp_top1<0>([&](int j) { return total_key(biased[lane + 32 * j]); }, experts, taken);
+            if (lane == 0) {
+                ids[r] = e;
+                chosen[r] = scores[e];
+            }
+        }
     }
     if (lane == 0) {
         float s = 0.0f;
@@ -165,4 +244,17 @@ __device__ void topk_token(const float* l, const float* bias, int* ids, float* w
         for (int r = 0; r < top_k; r++) weights[r] = chosen[r] / s * rsf;
     }
     __syncwarp();  // the warp may take another token into the same scratch next
+}
+
+// Register top-k up to 128 experts (Qwen3, Nemotron-3 Nano, DeepSeek-V2-Lite's 64), up to 256
+// (DeepSeek-V3), else the shared-memory path.
+__device__ void topk_token(const float* l, const float* bias, int* ids, float* weights, float* scratch,
+                           int experts, int top_k, int scoring, int n_group, int topk_group, int renormalize,
+                           float rsf) {
+    if (experts <= 128)
+        topk_token_impl<4>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
+    else if (experts <= 256)
+        topk_token_impl<8>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
+    else
+        topk_token_impl<0>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
 }

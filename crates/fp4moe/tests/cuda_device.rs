@@ -708,6 +708,99 @@ fn repeated_expert_ids_in_a_callers_top_k() {
 
 /// `v` given full f32 mantissas (a relative change below 1.8e-3; the synthetic weights and
 /// tokens are bf16 values), varying with the index and `salt`.
+/// Device top-k (both routing launches) against the CPU's on logits built to tie: a few levels
+/// only, so many experts share a score, plus experts at -inf; softmax and sigmoid + bias, with
+/// and without groups, E not a multiple of 32, E 128 and 256 (register top-k) and 512 (shared
+/// memory). Ids must be equal and in the same order; weights within f32 rounding (the device's
+/// expf is not the host's exp).
+#[test]
+fn topk_matches_the_cpu_on_ties_and_groups() {
+    if !common::gpu_available() {
+        return;
+    }
+    // (experts, top_k, gated (softmax) or not (sigmoid + bias), n_group, topk_group)
+    let cases = [
+        (128, 6, false, 1, 1),
+        (128, 8, true, 1, 1),
+        (100, 4, true, 1, 1),
+        (64, 6, false, 8, 3),
+        (256, 8, false, 8, 4),
+        (256, 8, true, 1, 1),
+        (512, 8, false, 8, 3),
+        (512, 7, true, 1, 1),
+    ];
+    for (ci, &(e, k, gated, n_group, topk_group)) in cases.iter().enumerate() {
+        let act = if gated {
+            Activation::Silu
+        } else {
+            Activation::Relu2NoMul
+        };
+        let mut sp = spec(256, 128, e, k, act, QuantMode::W4A16);
+        sp.routing.n_group = n_group;
+        sp.routing.topk_group = topk_group;
+        let mut w = random_weights(&sp, 40 + ci as u64).unwrap();
+        if let Some(b) = w.e_score_correction_bias.as_mut() {
+            // Two bias levels: biased scores still tie.
+            for (j, v) in b.iter_mut().enumerate() {
+                *v = if j % 3 == 0 { 0.25 } else { 0.0 };
+            }
+        }
+        let cpu = MoeLayer::new(sp, w.clone(), BackendChoice::Use(Backend::Cpu)).unwrap();
+        let mut layer = CudaLayer::new(&sp, &w).unwrap();
+        let st = layer.stream().clone();
+        for (tokens, route) in [
+            (1, RoutePath::Fused),
+            (1, RoutePath::Split),
+            (37, RoutePath::Split),
+        ] {
+            let x = random_tokens(tokens, 256, 7 + ci as u64);
+            // Four levels: ties everywhere; every 11th expert at -inf.
+            let logits: Vec<f32> = (0..tokens * e)
+                .map(|j| {
+                    if (j * 7 + ci) % 11 == 0 {
+                        f32::NEG_INFINITY
+                    } else {
+                        ((j * 2654435761usize + ci) % 4) as f32 * 0.5 - 0.75
+                    }
+                })
+                .collect();
+            let want = cpu.route(&x, Some(&logits)).unwrap();
+            layer.set_route_path(Some(route));
+            let mut ws = layer.workspace(tokens).unwrap();
+            st.memcpy_htod(&x, &mut ws.x).unwrap();
+            let dl = st.clone_htod(&logits).unwrap();
+            layer.forward_device(&mut ws, Some(&dl)).unwrap();
+            let ids = st.clone_dtoh(&ws.ids).unwrap();
+            let weights = st.clone_dtoh(&ws.weights).unwrap();
+            let what = format!("E{e} k{k} groups {n_group}/{topk_group} T{tokens} {route:?}");
+            assert_eq!(ids, want.ids, "{what}: ids differ from the CPU's");
+            for (j, (a, b)) in weights.iter().zip(&want.weights).enumerate() {
+                assert!(
+                    (a - b).abs() <= 4e-7 * b.abs().max(1.0),
+                    "{what}: weight {j}: {a} vs {b}"
+                );
+            }
+            // The case tests the tie rule: some token's last chosen expert ties with an expert
+            // left out (same logit, same bias), so the lower id decided (checked without
+            // groups, where no expert is masked).
+            let bias = w.e_score_correction_bias.as_deref();
+            let key = |t: usize, x: usize| {
+                (
+                    logits[t * e + x].to_bits(),
+                    bias.map_or(0, |b| b[x].to_bits()),
+                )
+            };
+            let cut = n_group > 1
+                || (0..tokens).any(|t| {
+                    let chosen = &want.ids[t * k..(t + 1) * k];
+                    let last = chosen[k - 1] as usize;
+                    (0..e).any(|x| !chosen.contains(&(x as i32)) && key(t, x) == key(t, last))
+                });
+            assert!(cut, "{what}: no tie at the selection boundary");
+        }
+    }
+}
+
 fn full_f32(v: &mut [f32], salt: usize) {
     for (i, x) in v.iter_mut().enumerate() {
         *x *= 1.0 + ((i * 7919 + salt) % 1021) as f32 * 1.7e-6;
