@@ -122,7 +122,7 @@ template <int NPL>
 __device__ __forceinline__ void topk_token_impl(const float* l, const float* bias, int* ids, float* weights,
                                                 float* scratch, int experts, int top_k, int scoring, int n_group,
                                                 int topk_group, int renormalize, float rsf) {
-    constexpr int R = NPL > 0 ? NPL : 1;  // register slots (the generic path uses slot 0 per pass)
+    constexpr int R = NPL > 0 ? NPL : 1;  // register slots per lane (unused by the generic path)
     const int lane = threadIdx.x & 31;
     float* scores = scratch;
     float* biased = scores + experts;
