@@ -706,13 +706,11 @@ fn repeated_expert_ids_in_a_callers_top_k() {
     }
 }
 
-/// `v` given full f32 mantissas (a relative change below 1.8e-3; the synthetic weights and
-/// tokens are bf16 values), varying with the index and `salt`.
 /// Device top-k (both routing launches) against the CPU's on logits built to tie: a few levels
-/// only, so many experts share a score, plus experts far below the rest; softmax and sigmoid + bias, with
-/// and without groups, E not a multiple of 32, E 128 and 256 (register top-k) and 512 (shared
-/// memory). Ids must be equal and in the same order; weights within f32 rounding (the device's
-/// expf is not the host's exp).
+/// only, so many experts share a score, plus experts far below the rest; softmax and sigmoid +
+/// bias, with and without groups, E not a multiple of 32, E 128 and 256 (register top-k) and 512
+/// (shared memory). Ids must be equal and in the same order; weights within f32 rounding (the
+/// device's expf is not the host's exp).
 #[test]
 fn topk_matches_the_cpu_on_ties_and_groups() {
     if !common::gpu_available() {
@@ -802,6 +800,8 @@ fn topk_matches_the_cpu_on_ties_and_groups() {
     }
 }
 
+/// `v` given full f32 mantissas (a relative change below 1.8e-3; the synthetic weights and
+/// tokens are bf16 values), varying with the index and `salt`.
 fn full_f32(v: &mut [f32], salt: usize) {
     for (i, x) in v.iter_mut().enumerate() {
         *x *= 1.0 + ((i * 7919 + salt) % 1021) as f32 * 1.7e-6;
