@@ -216,25 +216,22 @@ __device__ __forceinline__ void topk_token_impl(const float* l, const float* bia
         }
     }
 
-    u32 taken = 0;
-    if (NPL > 0) {
-        u32 key[R];
+    // Each lane's keys: in registers (NPL > 0), else read from `biased` every round.
+    u32 key[R];
+    if constexpr (NPL > 0) {
 #pragma unroll
         for (int j = 0; j < R; j++) key[j] = total_key(bv[j]);
-        for (int r = 0; r < top_k; r++) {
-            const int e = warp_top1<NPL>([&](int j) { return key[j]; }, experts, taken);
-            if (lane == 0) {
-                ids[r] = e;
-                chosen[r] = scores[e];
-            }
-        }
-    } else {
-        for (int r = 0; r < top_k; r++) {
-            const int e = warp_top1<0>([&](int j) { return total_key(biased[lane + 32 * j]); }, experts, taken);
-            if (lane == 0) {
-                ids[r] = e;
-                chosen[r] = scores[e];
-            }
+    }
+    const auto key_of = [&](int j) {
+        if constexpr (NPL > 0) return key[j];
+        else return total_key(biased[lane + 32 * j]);
+    };
+    u32 taken = 0;
+    for (int r = 0; r < top_k; r++) {
+        const int e = warp_top1<NPL>(key_of, experts, taken);
+        if (lane == 0) {
+            ids[r] = e;
+            chosen[r] = scores[e];
         }
     }
     if (lane == 0) {
