@@ -3,6 +3,31 @@
 #include "routing.cuh"
 #include "gemm_common.cuh"  // cp.async
 
+// The cp.async rings of router_logits_wide and router_logits_bf16 over the k chunks [kb, ke) of
+// width K, STAGES deep, one commit group per chunk (possibly empty); `stage(b, k0)` issues this
+// thread's copies of the chunk starting at k0 into ring stage b. router_logits_tf32x3 (a knob)
+// keeps its own copy of the loop: through these helpers its SASS changes, and no GPU run has
+// checked that.
+// ring_prologue: chunks 0 .. STAGES - 2 into stages 0 .. STAGES - 2; returns the chunk count.
+template <int STAGES, int K, typename Stage>
+__device__ __forceinline__ int ring_prologue(int kb, int ke, Stage stage) {
+    const int chunks = ke > kb ? (ke - kb + K - 1) / K : 0;
+#pragma unroll
+    for (int c = 0; c < STAGES - 1; c++) {
+        if (c < chunks) stage(c, kb + c * K);
+        cp_async_commit();
+    }
+    return chunks;
+}
+// ring_refill, in iteration c: chunk c + STAGES - 1 into the stage chunk c - 1 used (the caller
+// has passed a barrier after every read of it).
+template <int STAGES, int K, typename Stage>
+__device__ __forceinline__ void ring_refill(int c, int chunks, int kb, Stage stage) {
+    const int next = c + STAGES - 1;
+    if (next < chunks) stage(next % STAGES, kb + next * K);
+    cp_async_commit();
+}
+
 // logits[t, e] = x[t, :] · w[e, :] in f32; RL_WARPS-warp blocks, a logit per group of
 // router_slices(T·E) warps (routing.cuh).
 #define RL_WARPS 32
@@ -131,19 +156,12 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 2) router_logits_wide(c
     for (int i = 0; i < 8; i++)
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
-    const int chunks = ke > kb ? (ke - kb + RW_K - 1) / RW_K : 0;
-#pragma unroll
-    for (int c = 0; c < RW_STAGES - 1; c++) {
-        if (c < chunks) stage(c, kb + c * RW_K);
-        cp_async_commit();  // possibly empty: one group per chunk
-    }
+    const int chunks = ring_prologue<RW_STAGES, RW_K>(kb, ke, stage);
     const int xr = 32 * (warp >> 1) + ty, er = RW_TOK + 64 * (warp & 1) + tx;
     for (int c = 0; c < chunks; c++) {
         cp_async_wait<RW_STAGES - 2>();  // chunk c has landed (for this thread's copies)
         __syncthreads();                 // for everyone's; and chunk c - 1's stage is free
-        const int next = c + RW_STAGES - 1;
-        if (next < chunks) stage(next % RW_STAGES, kb + next * RW_K);
-        cp_async_commit();
+        ring_refill<RW_STAGES, RW_K>(c, chunks, kb, stage);
         const float* s = rw_smem + (c % RW_STAGES) * STAGE;
 #pragma unroll
         for (int kk = 0; kk < RW_K; kk += 4) {
@@ -403,12 +421,7 @@ extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(c
     for (int n = 0; n < 8; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
-    const int chunks = ke > kb ? (ke - kb + RB_K - 1) / RB_K : 0;
-#pragma unroll
-    for (int c = 0; c < RB_STAGES - 1; c++) {
-        if (c < chunks) stage(c, kb + c * RB_K);
-        cp_async_commit();  // possibly empty: one group per chunk
-    }
+    const int chunks = ring_prologue<RB_STAGES, RB_K>(kb, ke, stage);
     const int wr = 16 * (warp & 3), wc = 64 * (warp >> 2);
     // ldmatrix.x4: lane l addresses row (l % 8) of matrix l / 8; matrices (n tile 2p, k 0-7),
     // (2p, k 8-15), (2p + 1, k 0-7), (2p + 1, k 8-15) are the b0, b1 of two n tiles.
@@ -416,9 +429,7 @@ extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(c
     for (int c = 0; c < chunks; c++) {
         cp_async_wait<RB_STAGES - 2>();  // chunk c has landed (for this thread's copies)
         __syncthreads();                 // for everyone's; and chunk c - 1's stage is free
-        const int next = c + RB_STAGES - 1;
-        if (next < chunks) stage(next % RB_STAGES, kb + next * RB_K);
-        cp_async_commit();
+        ring_refill<RB_STAGES, RB_K>(c, chunks, kb, stage);
         const float* sx = xs(c % RB_STAGES);
         const u16* sw = wsm(c % RB_STAGES);
         float part[8][4];
