@@ -28,6 +28,26 @@ __device__ __forceinline__ void ring_refill(int c, int chunks, int kb, Stage sta
     cp_async_commit();
 }
 
+// Stores a warp's mma.sync D fragments of N 16 x 8 tiles, tile n at logit rows t0 .. t0 + 15
+// (tokens) and columns e0 + 8n .. (experts) of `o` [tokens, experts]: (g, 2q), (g, 2q + 1),
+// (g + 8, 2q), (g + 8, 2q + 1); nothing past either bound.
+template <int N>
+__device__ __forceinline__ void store_logit_tiles(float* o, const float (&acc)[N][4], int t0, int e0, int tokens,
+                                                  int experts) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+        const int e = e0 + 8 * n + 2 * q;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int t = t0 + g + 8 * h;
+            if (t >= tokens) continue;
+            if (e < experts) o[(size_t)t * experts + e] = acc[n][2 * h];
+            if (e + 1 < experts) o[(size_t)t * experts + e + 1] = acc[n][2 * h + 1];
+        }
+    }
+}
+
 // logits[t, e] = x[t, :] · w[e, :] in f32; RL_WARPS-warp blocks, a logit per group of
 // router_slices(T·E) warps (routing.cuh).
 #define RL_WARPS 32
@@ -312,18 +332,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS) router_logits_tf32x3(co
             for (int i = 0; i < 4; i++) acc[n][i] += part[n][i];
         __syncthreads();
     }
-    // D (16 x 8): (g, 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1).
-#pragma unroll
-    for (int n = 0; n < 2; n++) {
-        const int e = e0 + wc + 8 * n + 2 * q;
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int t = t0 + wr + g + 8 * h;
-            if (t >= tokens) continue;
-            if (e < experts) logits[(size_t)t * experts + e] = acc[n][2 * h];
-            if (e + 1 < experts) logits[(size_t)t * experts + e + 1] = acc[n][2 * h + 1];
-        }
-    }
+    store_logit_tiles(logits, acc, t0 + wr, e0 + wc, tokens, experts);
 }
 // scoring: 0 softmax, 1 sigmoid. bias may be null. Shared memory: 2·E + 64 floats per warp.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, const float* __restrict__ bias,
@@ -473,17 +482,5 @@ extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(c
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[n][i] += part[n][i];
     }
-    // D (16 x 8): (g, 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1).
-    float* o = out + (size_t)blockIdx.z * tokens * experts;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        const int e = e0 + wc + 8 * n + 2 * q;
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int t = t0 + wr + g + 8 * h;
-            if (t >= tokens) continue;
-            if (e < experts) o[(size_t)t * experts + e] = acc[n][2 * h];
-            if (e + 1 < experts) o[(size_t)t * experts + e + 1] = acc[n][2 * h + 1];
-        }
-    }
+    store_logit_tiles(out + (size_t)blockIdx.z * tokens * experts, acc, t0 + wr, e0 + wc, tokens, experts);
 }
