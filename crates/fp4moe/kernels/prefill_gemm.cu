@@ -511,8 +511,10 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
             w_step[r] = ok ? 64 : 0;
         }
     }
-    auto stage_chunk = [&](int c) {
-        unsigned char* dst = ring + (c % STAGES) * STAGE_BYTES;
+    // Chunk c lives in stage c % STAGES; the loop keeps the stages it reads and refills as
+    // running indices (`c % STAGES` was a multiply-high and three uniform operations per chunk).
+    auto stage_chunk = [&](int c, u32 st) {
+        unsigned char* dst = ring + st * STAGE_BYTES;
 #pragma unroll
         for (int r = 0; r < A_COPIES; r++) {
             if (A_PIECES % THREADS != 0 && tid + r * THREADS >= A_PIECES) continue;
@@ -533,7 +535,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
             // Chunk c's activation rows base + t0 .. + NC - 1 (multicast: + NT - 1, half from
             // each CTA; zero past K, and past the map's rows; rows of the next expert are
             // computed into columns nobody stores).
-            u64* full = bars + c % STAGES;
+            u64* full = bars + st;
             if constexpr (TMA == 2) {
                 mbar_expect_tx(full, NT * 128);
                 const u32 r = cluster_rank();
@@ -562,9 +564,20 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 
 #pragma unroll
     for (int c = 0; c < AHEAD; c++) {
-        if (c < p.kg) stage_chunk(c);
+        if (c < p.kg) stage_chunk(c, c);
         cp_async_commit();
     }
+    // rd: the stage of chunk c; wr: of chunk c + AHEAD; phase: parity of chunk c's full barrier.
+    u32 rd = 0, wr = AHEAD, phase = 0;
+#if PF_WGMMA
+    // Descriptors of the stage being read: only the start address (bits 0..13, in 16-byte units)
+    // moves, by STAGE_BYTES / 16 per stage and 2 (swizzled: 32 bytes) or 16 (256 bytes) per
+    // 16-k step, with no carry out of bit 13 (shared memory < 256 KB): one 32-bit add each,
+    // where smem_desc took six operations per 16 k.
+    const u64 desc0 = TMA ? smem_desc_sw128(ring) : smem_desc(ring);
+    const u32 desc_lo0 = (u32)desc0, desc_hi = (u32)(desc0 >> 32);
+    constexpr u32 DESC_STEP = TMA ? 2 : 16;
+#endif
     for (int c = 0; c < p.kg; c++) {
 #if PF_WGMMA
         if (TMA == 2 && c >= 2 && c + AHEAD < p.kg && lane == 0) {
@@ -579,7 +592,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         cp_async_wait<AHEAD - 1>();  // chunk c has landed
 #if PF_WGMMA
         fence_proxy_async();
-        if (TMA) mbar_wait<TMA == 2>(bars + c % STAGES, (c / STAGES) & 1);
+        if (TMA) mbar_wait<TMA == 2>(bars + rd, phase);
 #endif
         __syncthreads();
         const int cn = c + AHEAD;
@@ -593,9 +606,15 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         }
         __syncwarp();
 #endif
-        if (cn < p.kg) stage_chunk(cn);
+        if (cn < p.kg) stage_chunk(cn, wr);
         cp_async_commit();  // possibly empty: one group per chunk
-        const unsigned char* stage = ring + (c % STAGES) * STAGE_BYTES;
+        const unsigned char* stage = ring + rd * STAGE_BYTES;
+#if PF_WGMMA
+        const u32 desc_lo = desc_lo0 + rd * (STAGE_BYTES >> 4);
+#endif
+        rd = rd == STAGES - 1 ? 0 : rd + 1;
+        wr = wr == STAGES - 1 ? 0 : wr + 1;
+        phase ^= rd == 0;
         uint4 d[HALVES];
         uint2 sb[HALVES];  // scale codes of rows g (x) and g + 8 (y) of each slot, k blocks 0..3
 #pragma unroll
@@ -611,7 +630,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
                 dequant_fragment_alu(word_of(d[h], j), scale_pair(sb[h].x, j), scale_pair(sb[h].y, j), frag[h][j]);
 #if PF_WGMMA
             wgmma_fence();
-            u64 desc = TMA ? smem_desc_sw128(stage + j * 32) : smem_desc(stage + j * 256);
+            const u64 desc = (u64)desc_hi << 32 | (desc_lo + j * DESC_STEP);
 #pragma unroll
             for (int h = 0; h < HALVES; h++) wgmma_rs<NC>(acc[h], frag[h][j], desc);
             wgmma_commit();
