@@ -74,19 +74,25 @@ __device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 w, u32 w8) {
     return (((I < 2 ? w : w8) & keep) * spread) & 0x81C081C0u;
 }
 
-// (S', S') = S · 2^118 as a bf16 pair for scale code byte j of `codes` (cuda/pack.rs: the codes
-// are re-encoded at upload so that this is one permute and one integer multiply-add; the E4M3
-// conversion it replaces took ~9 operations per two scales plus a permute per pair).
+// (S'_g, S'_g+8) = the block scales of rows g and g + 8 times 2^118 as a bf16 pair, for k block
+// j of the lane's eight scale codes `s` (cuda/pack.rs: byte 2j row g's code, 2j + 1 row g + 8's,
+// re-encoded at upload so that this is one permute, which spreads the two codes of half j % 2
+// of word j / 2 to bytes 0 and 2, and one integer multiply-add; the E4M3 conversion it
+// replaces took ~9 operations per two scales).
 #define SCALE_PAIR_BIAS 0x75807580u
-__device__ __forceinline__ u32 scale_pair(u32 codes, int j) {
-    return __byte_perm(codes, 0, 0x4440u + (u32)j) * 0x00100010u + SCALE_PAIR_BIAS;
+__device__ __forceinline__ u32 scale_pairs(uint2 s, int j) {
+    const u32 lo = 2u * (u32)(j & 1);
+    return __byte_perm(j < 2 ? s.x : s.y, 0, 0x4040u | lo | ((lo + 1) << 8)) * 0x10u + SCALE_PAIR_BIAS;
 }
 
 // One mma A fragment (16 rows x 16 k) times 2^-8: `word` is the lane's packed word for its k
-// block (see cuda/pack.rs), sg / sg8 = scale_pair of row g's / row g+8's scale codes.
-__device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 sg, u32 sg8, u32 a[4]) {
-    __nv_bfloat162 s0 = bits_bf16x2(sg);
-    __nv_bfloat162 s1 = bits_bf16x2(sg8);
+// block (see cuda/pack.rs), `sp` = scale_pairs of its block. Registers 0 and 2 hold row g,
+// 1 and 3 row g + 8: each multiply takes its row's half of `sp` broadcast to both halves,
+// which the bf16 multiply encodes as an operand swizzle (HMUL2 ... .H0_H0 / .H1_H1), so the
+// pair costs two operations per fragment where one pair per row took four.
+__device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 sp, u32 a[4]) {
+    const __nv_bfloat162 s = bits_bf16x2(sp);
+    const __nv_bfloat162 s0 = __low2bfloat162(s), s1 = __high2bfloat162(s);
     const u32 w8 = word >> 8;
     a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<0>(word, w8)), s0));
     a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<1>(word, w8)), s1));

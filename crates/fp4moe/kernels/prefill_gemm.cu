@@ -616,7 +616,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         wr = wr == STAGES - 1 ? 0 : wr + 1;
         phase ^= rd == 0;
         uint4 d[HALVES];
-        uint2 sb[HALVES];  // scale codes of rows g (x) and g + 8 (y) of each slot, k blocks 0..3
+        uint2 sb[HALVES];  // scale codes of each slot's rows g and g + 8, k blocks 0..3 (scale_pairs)
 #pragma unroll
         for (int h = 0; h < HALVES; h++) {
             const int slot = warp + WARPS * h;
@@ -627,7 +627,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         for (int j = 0; j < 4; j++) {
 #pragma unroll
             for (int h = 0; h < HALVES; h++)
-                dequant_fragment_alu(word_of(d[h], j), scale_pair(sb[h].x, j), scale_pair(sb[h].y, j), frag[h][j]);
+                dequant_fragment_alu(word_of(d[h], j), scale_pairs(sb[h], j), frag[h][j]);
 #if PF_WGMMA
             wgmma_fence();
             const u64 desc = (u64)desc_hi << 32 | (desc_lo + j * DESC_STEP);

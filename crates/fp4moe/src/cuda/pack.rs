@@ -10,7 +10,10 @@
 //!   kernels then find both codes of a register at the same place in each 16-bit half of the
 //!   word (or of the word shifted by 8), one integer multiply away from their bf16 bits
 //!   (`kernels/gemm_common.cuh`);
-//! - scales, 64 bytes: `8g + j` = scale code of row g, block `4kg + j`; `8g + 4 + j` = row g + 8.
+//! - scales, 64 bytes: `8g + 2j` = scale code of row g, block `4kg + j`; `8g + 2j + 1` = row
+//!   g + 8. Lane `4g + q` loads its eight codes as one 8-byte word; both rows' codes of block j
+//!   sit in one 16-bit half of it, so one byte permute and one integer multiply-add give the
+//!   bf16 pair (S_g, S_g+8), whose halves the bf16 multiplies take as operand swizzles.
 //!
 //! Scale codes ([`scale_code`]): the E4M3 block scale S re-encoded so that one integer
 //! multiply-add gives a bf16 pair on the device: with T = S · 2^118 (bf16 exponent field F in
@@ -111,8 +114,8 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
                         data[o..o + 4].copy_from_slice(&planar_word(pairs).to_le_bytes());
                         if q == 0 {
                             let so = (tile + kgi) * 64 + 8 * g;
-                            scales[so + j] = code(rows[0]);
-                            scales[so + 4 + j] = code(rows[1]);
+                            scales[so + 2 * j] = code(rows[0]);
+                            scales[so + 2 * j + 1] = code(rows[1]);
                         }
                     }
                 }
@@ -151,7 +154,7 @@ pub fn unpack_nvfp4(
                     packed[dst + 4 + q] = pairs[2 + hi];
                 }
                 lin[(e * rows + r) * cols / 16 + kb] =
-                    scale_e4m3(scales[tile * 64 + 8 * g + 4 * hi + j]);
+                    scale_e4m3(scales[tile * 64 + 8 * g + 2 * j + hi]);
             }
         }
     }
@@ -228,8 +231,8 @@ mod tests {
                     let (rg, r16, kgi, j) = (r / 16, r % 16, k / 64, (k % 64) / 16);
                     let so = ((e * rows / 16 + rg) * kg + kgi) * 64
                         + 8 * (r16 % 8)
-                        + 4 * usize::from(r16 >= 8)
-                        + j;
+                        + 2 * j
+                        + usize::from(r16 >= 8);
                     let want = s.scales[(e * rows + r) * cols / 16 + k / 16];
                     assert_eq!(scales[so], scale_code(want));
                 }
@@ -252,15 +255,48 @@ mod tests {
                 continue;
             }
             assert!((8..=151).contains(&c), "byte {b:#x}: code {c}");
-            let pair = u32::from(c) * 0x0010_0010 + 0x7580_7580;
             let t = bf16::from_f32(s * 2f32.powi(118));
             assert_eq!(t.to_f32(), s * 2f32.powi(118), "byte {b:#x}: T not a bf16");
-            assert_eq!(pair, u32::from(t.to_bits()) * 0x0001_0001, "byte {b:#x}");
+            // Both rows' codes of a block through the device's permute and multiply-add
+            // (`scale_pairs`): this code as row g's and, as row g + 8's, every other valid one.
+            for b8 in (0u8..=0x7E).step_by(5) {
+                let c8 = scale_code(b8);
+                let t8 = bf16::from_f32(crate::format::e4m3::decode(b8) * 2f32.powi(118));
+                for j in 0..4 {
+                    let mut codes = [0x5Au8; 8]; // other blocks' codes: must not leak in
+                    codes[2 * j] = c;
+                    codes[2 * j + 1] = c8;
+                    let want = u32::from(t.to_bits()) | u32::from(t8.to_bits()) << 16;
+                    let want = if c8 == 0 {
+                        want & 0xFFFF | 0x7580 << 16
+                    } else {
+                        want
+                    };
+                    assert_eq!(
+                        device_scale_pairs(codes, j),
+                        want,
+                        "bytes {b:#x} {b8:#x}, block {j}"
+                    );
+                }
+            }
             let sb = bf16::from_bits(c as u16 * 16 + SCALE_S_BIAS);
             assert_eq!(sb.to_f32(), s, "byte {b:#x}: S");
         }
         assert_eq!(scale_code(0x7F), 0); // NaN
         assert_eq!(scale_code(0x81), 0); // negative
+    }
+
+    /// The device's `scale_pairs` (kernels/gemm_common.cuh) on a lane's eight scale codes:
+    /// `__byte_perm(word, 0, sel)` then `· 0x10 + 0x7580_7580`.
+    fn device_scale_pairs(codes: [u8; 8], j: usize) -> u32 {
+        let word = u32::from_le_bytes(codes[4 * (j / 2)..4 * (j / 2) + 4].try_into().unwrap());
+        let lo = 2 * (j as u32 & 1);
+        let sel = 0x4040 | lo | (lo + 1) << 8;
+        let bytes = [word.to_le_bytes(), [0; 4]].concat();
+        let perm = u32::from_le_bytes(std::array::from_fn(|n| {
+            bytes[((sel >> (4 * n)) & 7) as usize]
+        }));
+        perm.wrapping_mul(0x10).wrapping_add(0x7580_7580)
     }
 
     /// The device's extraction (`e2m1x2_scaled_bits` in kernels/gemm_common.cuh), bit for bit.
@@ -324,7 +360,7 @@ mod tests {
             assert_eq!(read_back(&data, rows, 1, 0, 0, k), 0, "k{k}");
         }
         assert_ne!(read_back(&data, rows, 1, 0, 0, 0), 0);
-        assert_eq!(scales[1], 0);
+        assert_eq!(scales[2], 0); // row 0 (g 0), block 1: byte 8·0 + 2·1
         let (packed, lin) = unpack_nvfp4(&data, &scales, experts, rows, cols);
         assert_eq!(lin, s.scales);
         assert!(packed[8..16].iter().all(|&b| b == 0));
