@@ -79,7 +79,7 @@ __device__ constexpr bool alu_dequant() { return NSUB == 1; }
 template <int NSUB>
 __device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, const u32* lut4, const u32* lut8, u32 a[4]) {
     if (alu_dequant<NSUB>())
-        dequant_fragment_alu(w, scale_pairs(s, j), a);
+        dequant_fragment_alu_rows(w, s, j, a);
     else {
         // Row g's code of block j is byte 2j of the lane's eight, row g + 8's byte 2j + 1.
         const u32 half = (j < 2 ? s.x : s.y) >> (16 * (j & 1));

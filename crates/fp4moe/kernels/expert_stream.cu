@@ -158,10 +158,10 @@ __device__ __forceinline__ void stream_body(const GemmParams& p) {
                             b1 = *reinterpret_cast<const u32*>(brow + kc + 8);
                         }
                         u32 a[4];
-                        dequant_fragment_alu(dw[j], scale_pairs(s, j), a);
+                        dequant_fragment_alu_rows(dw[j], s, j, a);
                         mma_bf16_16816(acc[0], a, b0, b1);
                         if (GATED) {
-                            dequant_fragment_alu(duw[j], scale_pairs(su, j), a);
+                            dequant_fragment_alu_rows(duw[j], su, j, a);
                             mma_bf16_16816(accu[0], a, b0, b1);
                         }
                     }

@@ -85,19 +85,36 @@ __device__ __forceinline__ u32 scale_pairs(uint2 s, int j) {
     return __byte_perm(j < 2 ? s.x : s.y, 0, 0x4040u | lo | ((lo + 1) << 8)) * 0x10u + SCALE_PAIR_BIAS;
 }
 
+// (S'_r, S'_r) for one row r (0: g, 1: g + 8) of k block j: the pair per row of the decode
+// kernels (below).
+__device__ __forceinline__ u32 scale_pair_row(uint2 s, int j, int r) {
+    return __byte_perm(j < 2 ? s.x : s.y, 0, 0x4440u + 2u * (u32)(j & 1) + (u32)r) * 0x00100010u + SCALE_PAIR_BIAS;
+}
+
 // One mma A fragment (16 rows x 16 k) times 2^-8: `word` is the lane's packed word for its k
-// block (see cuda/pack.rs), `sp` = scale_pairs of its block. Registers 0 and 2 hold row g,
-// 1 and 3 row g + 8: each multiply takes its row's half of `sp` broadcast to both halves,
-// which the bf16 multiply encodes as an operand swizzle (HMUL2 ... .H0_H0 / .H1_H1), so the
-// pair costs two operations per fragment where one pair per row took four.
-__device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 sp, u32 a[4]) {
-    const __nv_bfloat162 s = bits_bf16x2(sp);
-    const __nv_bfloat162 s0 = __low2bfloat162(s), s1 = __high2bfloat162(s);
+// block (see cuda/pack.rs), s0 / s1 = the scales of rows g / g + 8 (registers 0 and 2 hold
+// row g, 1 and 3 row g + 8) in both halves.
+__device__ __forceinline__ void dequant_fragment_alu(u32 word, __nv_bfloat162 s0, __nv_bfloat162 s1, u32 a[4]) {
     const u32 w8 = word >> 8;
     a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<0>(word, w8)), s0));
     a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<1>(word, w8)), s1));
     a[2] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<2>(word, w8)), s0));
     a[3] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<3>(word, w8)), s1));
+}
+
+// The same from `sp` = scale_pairs of the block: each multiply takes its row's half of `sp`
+// broadcast, which the bf16 multiply encodes as an operand swizzle (HMUL2 ... .H0_H0 /
+// .H1_H1), so the scales cost two operations per fragment where a pair per row took four.
+// The prefill tiles use it; the decode kernels keep a pair per row (run 81: with this one the
+// non-gated mma decode GEMMs at 8 tokens were 8 % slower, not analysed).
+__device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 sp, u32 a[4]) {
+    const __nv_bfloat162 s = bits_bf16x2(sp);
+    dequant_fragment_alu(word, __low2bfloat162(s), __high2bfloat162(s), a);
+}
+
+// The same with one scale pair per row (scale_pair_row): the decode kernels' form.
+__device__ __forceinline__ void dequant_fragment_alu_rows(u32 word, uint2 s, int j, u32 a[4]) {
+    dequant_fragment_alu(word, bits_bf16x2(scale_pair_row(s, j, 0)), bits_bf16x2(scale_pair_row(s, j, 1)), a);
 }
 
 // GEMM1 epilogue of one warp: row group rg of expert e (gated: acc = gate, accu = up rows), the
