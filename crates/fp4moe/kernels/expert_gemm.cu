@@ -11,13 +11,13 @@
 // Prepared weight layout (crates/fp4moe/src/cuda/pack.rs), per expert, row group rg and 64-wide k
 // group kg: NVFP4 data 32 lanes x 16 bytes (lane L = 4g + q, bytes 4j..4j+3 for k block j:
 // rows g, g+8 at k 2q..2q+1 and rows g, g+8 at k 2q+8..2q+9, i.e. the mma A fragment) and scales
-// 8 x 8 bytes (rows g and g+8, k blocks 0..3). BF16 weights: per 16-wide k block, 32 lanes x the
+// 8 x 8 bytes (byte 2j row g's code of k block j, 2j + 1 row g+8's). BF16 weights: per 16-wide k block, 32 lanes x the
 // four A-fragment registers.
 #include "gemm_common.cuh"
 
 // The decode kernels with two or four token subtiles dequantize through two shared-memory tables
 // (faster there than gemm_common.cuh's table-free dequant_fragment_alu, which the prefill
-// kernels and the one-subtile variants use, in runs 9 and 24; as fast since run 34's cheaper
+// kernels and, as dequant_fragment_alu_rows, the one-subtile variants use, in runs 9 and 24; as fast since run 34's cheaper
 // conversion, which would take the gated variants from 126 to 151 registers; see
 // docs/KERNEL_NOTES.md): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
 // lut8[c] = bf16x2 (S, S) of scale code c (cuda/pack.rs: S's bf16 bits are c · 16 + 117 · 128).
@@ -75,7 +75,8 @@ __device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4],
 template <int NSUB>
 __device__ constexpr bool alu_dequant() { return NSUB == 1; }
 
-// The A fragment of k block j of a 64-wide group: packed word w, scale words s (rows g, g + 8).
+// The A fragment of k block j of a 64-wide group: packed word w, the lane's eight scale codes s
+// (byte 2j: row g, 2j + 1: row g + 8).
 template <int NSUB>
 __device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, const u32* lut4, const u32* lut8, u32 a[4]) {
     if (alu_dequant<NSUB>())

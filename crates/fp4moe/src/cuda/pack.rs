@@ -1,4 +1,5 @@
-//! Weight layouts of the CUDA decode kernels (`kernels/expert_gemm.cu`): each lane of a warp
+//! Weight layouts of the CUDA kernels (`kernels/expert_gemm.cu`, `expert_stream.cu`,
+//! `prefill_gemm.cu`): each lane of a warp
 //! loads its mma.sync A fragment with one 16-byte load, so no shuffles or shared memory stand
 //! between global memory and the tensor cores. Pure byte permutations, tested on the CPU.
 //!
@@ -242,8 +243,9 @@ mod tests {
         assert_eq!(e2m1::decode(read_back(&data, rows, kg, 0, 0, 100)), 0.0);
     }
 
-    /// Every valid E4M3 scale: the device's one-operation decodes give T = S · 2^118 and S
-    /// exactly (as bf16, duplicated), and the code maps back to the byte.
+    /// Every valid E4M3 scale: the device's decodes give T = S · 2^118 exactly as bf16 (the pair
+    /// of both rows, `scale_pairs`; one row duplicated, `scale_pair_row`; the decode kernels'
+    /// table index, `decode_fragment`), and S (`lut8`), and the code maps back to the byte.
     #[test]
     fn scale_codes_decode_exactly_with_one_multiply_add() {
         for b in 0u8..=0x7E {
@@ -277,6 +279,11 @@ mod tests {
                         want,
                         "bytes {b:#x} {b8:#x}, block {j}"
                     );
+                    let t_of = |c: u8| u32::from(c) * 16 + 0x7580;
+                    for (r, c) in [(0, c), (1, c8)] {
+                        assert_eq!(device_scale_pair_row(codes, j, r), t_of(c) * 0x0001_0001);
+                        assert_eq!(device_table_index(codes, j, r), c, "block {j} row {r}");
+                    }
                 }
             }
             let sb = bf16::from_bits(c as u16 * 16 + SCALE_S_BIAS);
@@ -297,6 +304,21 @@ mod tests {
             bytes[((sel >> (4 * n)) & 7) as usize]
         }));
         perm.wrapping_mul(0x10).wrapping_add(0x7580_7580)
+    }
+
+    /// The device's `scale_pair_row` (kernels/gemm_common.cuh): row r's code of block j
+    /// duplicated, `__byte_perm(word, 0, 0x4440 + 2(j % 2) + r) · 0x0010_0010 + 0x7580_7580`.
+    fn device_scale_pair_row(codes: [u8; 8], j: usize, r: usize) -> u32 {
+        let word = u32::from_le_bytes(codes[4 * (j / 2)..4 * (j / 2) + 4].try_into().unwrap());
+        let byte = (word >> (8 * (2 * (j % 2) + r))) & 0xFF; // selector nibble 0, zeros above
+        byte.wrapping_mul(0x0010_0010).wrapping_add(0x7580_7580)
+    }
+
+    /// The table index `decode_fragment` (kernels/expert_gemm.cu) takes for row r of block j.
+    fn device_table_index(codes: [u8; 8], j: usize, r: usize) -> u8 {
+        let word = u32::from_le_bytes(codes[4 * (j / 2)..4 * (j / 2) + 4].try_into().unwrap());
+        let half = word >> (16 * (j & 1));
+        ((half >> (8 * r)) & 0xFF) as u8
     }
 
     /// The device's extraction (`e2m1x2_scaled_bits` in kernels/gemm_common.cuh), bit for bit.
