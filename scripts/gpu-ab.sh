@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One device call that A/Bs builds: compiles each variant's kernels, runs the staged test
+# executables (in parallel, FP4MOE_REQUIRE_GPU=1), then interleaved `fp4moe bench` rounds of
+# every variant, then optionally the documentation sweep and the PyTorch peer. Everything goes to
+# /tmp/res and is tarred into $OUT/res.tgz on exit (the device returns few files), also when
+# the call's time limit stops it. Run from the repo root on the GPU machine after
+# ../shared/tools/gpu-stage (and scripts/stage-alt.sh for other builds).
+#
+# Variants: AB_VARIANTS="label=BINARY[@VAR=VALUE,...] ...", e.g.
+#   AB_VARIANTS="base=.gpu/alt-main/fp4moe new=.gpu/fp4moe knob=.gpu/fp4moe@FP4MOE_PREFILL_TILE=32"
+# Other knobs (defaults): AB_TOKENS (1,8,64,256,1024,4096,16384), AB_PRESETS (nemotron3-nano
+# qwen3-30b-a3b), AB_ROUNDS (2), AB_TESTS (1: run .gpu/tests/*), AB_SWEEP (0: the first variant's
+# sweep over both modes), AB_TORCH (0), AB_DEADLINE (540: seconds after which no new bench
+# starts). Prints the medians of every A/B run last.
+set -u
+OUT="${OUT:-/tmp/out}"; R=/tmp/res; mkdir -p "$R" "$OUT"
+trap 'tar czf "$OUT/res.tgz" -C /tmp res' EXIT
+export FP4MOE_REQUIRE_GPU=1 FP4MOE_GOLDEN_DIR="$PWD/.gpu/golden" RUST_BACKTRACE=1
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+deadline=${AB_DEADLINE:-540}
+variants=${AB_VARIANTS:-"new=.gpu/fp4moe"}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$R/gpu.txt"
+
+# run LABEL CMD...: CMD with the variant's binary, kernel cache and environment.
+run_variant() {
+  local spec=$1; shift
+  local label=${spec%%=*} rest=${spec#*=} bin env=()
+  bin=${rest%%@*}
+  [ "$rest" != "$bin" ] && IFS=, read -r -a env <<< "${rest#*@}"
+  env FP4MOE_CACHE_DIR="/tmp/kc-$(echo "$bin" | md5sum | cut -c1-8)" "${env[@]}" "$bin" "$@"
+}
+
+for v in $variants; do run_variant "$v" compile-kernels > "$R/compile-${v%%=*}.txt" 2>&1 & done
+wait
+echo "compiled at $(el) s" >> "$R/progress.txt"
+
+if [ "${AB_TESTS:-1}" = 1 ]; then
+  # The test executables embed the kernels of .gpu/fp4moe's build: its cache serves them.
+  export FP4MOE_CACHE_DIR="/tmp/kc-$(echo .gpu/fp4moe | md5sum | cut -c1-8)"
+  for t in .gpu/tests/*; do n=$(basename "${t%-*}"); "$t" --test-threads=1 --nocapture > "$R/test-$n.txt" 2>&1 & done
+  wait
+  unset FP4MOE_CACHE_DIR
+  echo "tests done at $(el) s" >> "$R/progress.txt"
+  for f in "$R"/test-*.txt; do
+    echo "$(basename "$f"): $(grep -E '^test result' "$f" | tr '\n' ' ')"
+    grep -E "panicked|FAILED" "$f" | head -5
+  done
+fi
+
+for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+  for v in $variants; do
+    for preset in ${AB_PRESETS:-nemotron3-nano qwen3-30b-a3b}; do
+      [ "$(el)" -gt "$deadline" ] && break 3
+      run_variant "$v" bench --preset "$preset" --tokens "${AB_TOKENS:-1,8,64,256,1024,4096,16384}" \
+        --backend cuda --json "$R/ab-${v%%=*}-$preset-r$r.json" > "$R/ab-${v%%=*}-$preset-r$r.txt" 2>&1
+    done
+  done
+  echo "A/B round $r done at $(el) s" >> "$R/progress.txt"
+done
+
+if [ "${AB_SWEEP:-0}" = 1 ]; then
+  first=${variants%% *}
+  for preset in nemotron3-nano qwen3-30b-a3b; do
+    for mode in w4a16 w4a4; do
+      [ "$(el)" -gt "$deadline" ] && break 2
+      run_variant "$first" bench --preset "$preset" --mode "$mode" --backend cuda \
+        --json "$R/$preset-$mode.json" > "$R/$preset-$mode.txt" 2>&1
+    done
+  done
+  echo "sweep done at $(el) s" >> "$R/progress.txt"
+fi
+if [ "${AB_TORCH:-0}" = 1 ]; then
+  PY=/opt/torch/.venv/bin/python3; [ -x $PY ] || PY=python3
+  for preset in nemotron3-nano qwen3-30b-a3b; do
+    [ "$(el)" -gt "$deadline" ] && break
+    $PY benches/peers/torch_moe.py --preset "$preset" --json "$R/torch-$preset.json" > "$R/torch-$preset.txt" 2>&1
+  done
+  echo "torch done at $(el) s" >> "$R/progress.txt"
+fi
+cat "$R/progress.txt"
+python3 - "$R" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(sys.argv[1] + "/ab-*.json")):
+    d = json.load(open(f))
+    print(os.path.basename(f)[3:-5], [(r["tokens"], round(r["median_us"], 1)) for r in d["results"]])
+PY
