@@ -293,31 +293,40 @@ mod tests {
         assert_eq!(scale_code(0x81), 0); // negative
     }
 
-    /// The device's `scale_pairs` (kernels/gemm_common.cuh) on a lane's eight scale codes:
-    /// `__byte_perm(word, 0, sel)` then `· 0x10 + 0x7580_7580`.
-    fn device_scale_pairs(codes: [u8; 8], j: usize) -> u32 {
-        let word = u32::from_le_bytes(codes[4 * (j / 2)..4 * (j / 2) + 4].try_into().unwrap());
-        let lo = 2 * (j as u32 & 1);
-        let sel = 0x4040 | lo | (lo + 1) << 8;
-        let bytes = [word.to_le_bytes(), [0; 4]].concat();
-        let perm = u32::from_le_bytes(std::array::from_fn(|n| {
+    /// CUDA's `__byte_perm(x, y, sel)`: byte n of the result is byte `(sel >> 4n) & 7` of the
+    /// eight bytes of `y:x` (x bytes 0–3).
+    fn byte_perm(x: u32, y: u32, sel: u32) -> u32 {
+        let bytes = [x.to_le_bytes(), y.to_le_bytes()].concat();
+        u32::from_le_bytes(std::array::from_fn(|n| {
             bytes[((sel >> (4 * n)) & 7) as usize]
-        }));
-        perm.wrapping_mul(0x10).wrapping_add(0x7580_7580)
+        }))
     }
 
-    /// The device's `scale_pair_row` (kernels/gemm_common.cuh): row r's code of block j
-    /// duplicated, `__byte_perm(word, 0, 0x4440 + 2(j % 2) + r) · 0x0010_0010 + 0x7580_7580`.
+    /// The 32-bit half of a lane's eight scale codes that holds block j (`j < 2 ? s.x : s.y`).
+    fn scale_word(codes: [u8; 8], j: usize) -> u32 {
+        u32::from_le_bytes(std::array::from_fn(|n| codes[4 * (j / 2) + n]))
+    }
+
+    /// The device's `scale_pairs` (kernels/gemm_common.cuh), same selector and multiply-add.
+    fn device_scale_pairs(codes: [u8; 8], j: usize) -> u32 {
+        let lo = 2 * (j as u32 & 1);
+        byte_perm(scale_word(codes, j), 0, 0x4040 | lo | (lo + 1) << 8)
+            .wrapping_mul(0x10)
+            .wrapping_add(0x7580_7580)
+    }
+
+    /// The device's `scale_pair_row` (kernels/gemm_common.cuh): row r's code of block j in
+    /// both halves.
     fn device_scale_pair_row(codes: [u8; 8], j: usize, r: usize) -> u32 {
-        let word = u32::from_le_bytes(codes[4 * (j / 2)..4 * (j / 2) + 4].try_into().unwrap());
-        let byte = (word >> (8 * (2 * (j % 2) + r))) & 0xFF; // selector nibble 0, zeros above
-        byte.wrapping_mul(0x0010_0010).wrapping_add(0x7580_7580)
+        let sel = 0x4440 + 2 * (j as u32 & 1) + r as u32;
+        byte_perm(scale_word(codes, j), 0, sel)
+            .wrapping_mul(0x0010_0010)
+            .wrapping_add(0x7580_7580)
     }
 
     /// The table index `decode_fragment` (kernels/expert_gemm.cu) takes for row r of block j.
     fn device_table_index(codes: [u8; 8], j: usize, r: usize) -> u8 {
-        let word = u32::from_le_bytes(codes[4 * (j / 2)..4 * (j / 2) + 4].try_into().unwrap());
-        let half = word >> (16 * (j & 1));
+        let half = scale_word(codes, j) >> (16 * (j & 1));
         ((half >> (8 * r)) & 0xFF) as u8
     }
 
