@@ -11,7 +11,7 @@
 # Other knobs (defaults): AB_TOKENS (1,8,64,256,1024,4096,16384), AB_PRESETS (nemotron3-nano
 # qwen3-30b-a3b), AB_ROUNDS (2), AB_TESTS (1: run .gpu/tests/*), AB_SWEEP (0: the first variant's
 # sweep over both modes), AB_TORCH (0), AB_DEADLINE (540: seconds after which no new bench
-# starts). Prints the medians of every A/B run last.
+# starts), AB_TEST_TIMEOUT (420: seconds per test executable). Prints the medians of every A/B run last.
 set -u
 OUT="${OUT:-/tmp/out}"; R=/tmp/res; mkdir -p "$R" "$OUT"
 trap 'tar czf "$OUT/res.tgz" -C /tmp res' EXIT
@@ -27,17 +27,24 @@ run_variant() {
   local label=${spec%%=*} rest=${spec#*=} bin env=()
   bin=${rest%%@*}
   [ "$rest" != "$bin" ] && IFS=, read -r -a env <<< "${rest#*@}"
-  env FP4MOE_CACHE_DIR="/tmp/kc-$(echo "$bin" | md5sum | cut -c1-8)" "${env[@]}" "$bin" "$@"
+  timeout 240 env FP4MOE_CACHE_DIR="/tmp/kc-$(echo "$bin" | md5sum | cut -c1-8)" "${env[@]}" "$bin" "$@"
 }
 
-for v in $variants; do run_variant "$v" compile-kernels > "$R/compile-${v%%=*}.txt" 2>&1 & done
+# Each binary's kernels once (variants of one binary share its cache).
+declare -A seen
+for v in $variants; do
+  b=${v#*=}; b=${b%%@*}
+  [ -n "${seen[$b]:-}" ] && continue; seen[$b]=1
+  run_variant "${v%%@*}" compile-kernels > "$R/compile-${v%%=*}.txt" 2>&1 &
+done
 wait
 echo "compiled at $(el) s" >> "$R/progress.txt"
 
 if [ "${AB_TESTS:-1}" = 1 ]; then
   # The test executables embed the kernels of .gpu/fp4moe's build: its cache serves them.
   export FP4MOE_CACHE_DIR="/tmp/kc-$(echo .gpu/fp4moe | md5sum | cut -c1-8)"
-  for t in .gpu/tests/*; do n=$(basename "${t%-*}"); "$t" --test-threads=1 --nocapture > "$R/test-$n.txt" 2>&1 & done
+  # A hung test (a kernel that never returns) must not eat the whole call.
+  for t in .gpu/tests/*; do n=$(basename "${t%-*}"); timeout "${AB_TEST_TIMEOUT:-420}" "$t" --test-threads=1 --nocapture > "$R/test-$n.txt" 2>&1 & done
   wait
   unset FP4MOE_CACHE_DIR
   echo "tests done at $(el) s" >> "$R/progress.txt"

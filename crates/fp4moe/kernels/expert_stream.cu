@@ -29,19 +29,9 @@
 // (global layout of cuda/pack.rs, copied verbatim), split-K partials
 // [(KSPLIT−1)·RB][32 lanes][4·U] f32, activation rows [min(T, 8)][kp + 8] bf16 (8 elements of
 // padding per row keep the B-fragment reads of the 8 token rows in distinct banks).
-#include "gemm_common.cuh"
+#include "expert_stream.cuh"
 
-#define STREAM_WARPS 8
 #define STREAM_GROUPS 4
-#define STREAM_TILE 8  // most activation rows per pass (one mma column tile)
-
-__device__ __forceinline__ void cp_async_wait_upto(int pending) {
-    // wait_group takes an immediate.
-    if (pending >= 3) cp_async_wait<3>();
-    else if (pending == 2) cp_async_wait<2>();
-    else if (pending == 1) cp_async_wait<1>();
-    else cp_async_wait<0>();
-}
 
 template <int STAGE, bool GATED, int RB>
 __device__ __forceinline__ void stream_body(const GemmParams& p) {
@@ -77,23 +67,12 @@ __device__ __forceinline__ void stream_body(const GemmParams& p) {
     const int k_lo = ks * kg / KSPLIT, k_hi = (ks + 1) * kg / KSPLIT;
     const int chunk = (k_hi - k_lo + STREAM_GROUPS - 1) / STREAM_GROUPS;
 
-    // 1. This warp's weights, STREAM_GROUPS commit groups along k. Lane L copies data pieces
-    //    L, L + 32, … of each k group, i.e. exactly the 16 bytes it reads back; the scale pieces
-    //    are read by other lanes (hence the __syncwarp after each wait).
+    // 1. This warp's weights, STREAM_GROUPS commit groups along k.
     if (active_warp) {
 #pragma unroll
         for (int c = 0; c < STREAM_GROUPS; c++) {
             const int lo = min(k_lo + c * chunk, k_hi), hi = min(lo + chunk, k_hi);
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const size_t wr = (size_t)e * p.rg_w + rg + u * p.rg_out;
-                const u8* gd = p.wdata + wr * kg * 512;
-                const u8* gs = p.wscales + wr * kg * 64;
-                u8* sd = sdata + (size_t)(rgl * U + u) * kg * 512;
-                u8* ss = sscale + (size_t)(rgl * U + u) * kg * 64;
-                for (int i = lo * 32 + lane; i < hi * 32; i += 32) cp_async16(sd + 16 * i, gd + 16 * i, 16);
-                for (int i = lo * 4 + lane; i < hi * 4; i += 32) cp_async16(ss + 16 * i, gs + 16 * i, 16);
-            }
+            stream_copy_slice<GATED>(p, e, rg, rgl, lo, hi, sdata, sscale, lane);
             cp_async_commit();
         }
     }
@@ -138,57 +117,15 @@ __device__ __forceinline__ void stream_body(const GemmParams& p) {
                 const int lo = min(k_lo + c * chunk, k_hi), hi = min(lo + chunk, k_hi);
                 cp_async_wait_upto(STREAM_GROUPS - 1 - c);
                 __syncwarp();
-                for (int kgi = lo; kgi < hi; kgi++) {
-                    const uint4 d = *reinterpret_cast<const uint4*>(wd0 + kgi * 512);
-                    const uint2 s = *reinterpret_cast<const uint2*>(ws0 + kgi * 64);
-                    uint4 du = make_uint4(0, 0, 0, 0);
-                    uint2 su = make_uint2(0, 0);
-                    if (GATED) {
-                        du = *reinterpret_cast<const uint4*>(wd0 + (size_t)kg * 512 + kgi * 512);
-                        su = *reinterpret_cast<const uint2*>(ws0 + (size_t)kg * 64 + kgi * 64);
-                    }
-                    const u32 dw[4] = {d.x, d.y, d.z, d.w};
-                    const u32 duw[4] = {du.x, du.y, du.z, du.w};
-#pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        const int kc = (kgi * 4 + j) * 16;
-                        u32 b0 = 0, b1 = 0;
-                        if (has_token) {
-                            b0 = *reinterpret_cast<const u32*>(brow + kc);
-                            b1 = *reinterpret_cast<const u32*>(brow + kc + 8);
-                        }
-                        u32 a[4];
-                        dequant_fragment_alu_rows(dw[j], s, j, a);
-                        mma_bf16_16816(acc[0], a, b0, b1);
-                        if (GATED) {
-                            dequant_fragment_alu_rows(duw[j], su, j, a);
-                            mma_bf16_16816(accu[0], a, b0, b1);
-                        }
-                    }
-                }
+                stream_slice_mma<GATED>(wd0, ws0, kg, brow, has_token, lo, hi, acc[0], accu[0]);
             }
         }
 
         // 4. Split-K: slices 1..KSPLIT-1 park their sums, slice 0 adds them in order and stores.
-        if (ks > 0) {
-            float* dst = red + (((ks - 1) * RB + rgl) * 32 + lane) * NACC;
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                dst[c] = acc[0][c];
-                if (GATED) dst[4 + c] = accu[0][c];
-            }
-        }
+        stream_park<GATED>(red, ks, RB, rgl, lane, acc[0], accu[0]);
         __syncthreads();
         if (ks == 0 && active_warp) {
-#pragma unroll
-            for (int o = 1; o < KSPLIT; o++) {
-                const float* src = red + (((o - 1) * RB + rgl) * 32 + lane) * NACC;
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    acc[0][c] += src[c];
-                    if (GATED) accu[0][c] += src[4 + c];
-                }
-            }
+            stream_sum_slices<GATED>(red, KSPLIT, RB, rgl, lane, acc[0], accu[0]);
             if (STAGE == 1)
                 store_gemm1<1, GATED>(p, acc, accu, e, base, n_e, t0, rg, 1, unscale);
             else

@@ -570,6 +570,151 @@ fn fused_routing_matches_split_bitwise() {
     }
 }
 
+/// The one-token layer in one launch (`one_token.cu`) against the split path on the same layer,
+/// bitwise (output, ids, weights, logits, grouping), from the router weight and from caller
+/// logits; launched twice (its barrier counters and combine tickets must be back at 0) and
+/// replayed from a CUDA graph with a new token; against the reference backend. Shapes:
+/// Nemotron-3 Nano's with each streaming K split (1, 2, 4 units per block), Qwen3-30B-A3B's,
+/// GELU at I = 928 / H = 2880 (K splits unevenly, not multiples of 128), 512 experts top-8
+/// (logits over more virtual blocks than blocks), top-1, grouped sigmoid selection.
+#[test]
+fn one_token_layer_matches_the_split_path_bitwise() {
+    if !common::gpu_available() {
+        return;
+    }
+    let mut cases: Vec<(MoeSpec, Option<usize>)> = Vec::new();
+    for quant in [QuantMode::W4A16, W4A4] {
+        cases.push((
+            spec(2688, 1856, 128, 6, Activation::Relu2NoMul, quant),
+            None,
+        ));
+        cases.push((spec(2048, 768, 128, 8, Activation::Silu, quant), None));
+        cases.push((spec(2880, 928, 64, 4, Activation::GeluTanh, quant), None));
+    }
+    for units in [1, 2, 4] {
+        cases.push((
+            spec(2688, 1856, 128, 6, Activation::Relu2NoMul, QuantMode::W4A16),
+            Some(units),
+        ));
+    }
+    cases.push((spec(1024, 512, 512, 8, Activation::Silu, W4A4), None));
+    cases.push((
+        spec(1024, 384, 32, 1, Activation::Relu2NoMul, QuantMode::W4A16),
+        None,
+    ));
+    let mut grouped = spec(1024, 512, 64, 6, Activation::Relu2NoMul, W4A4);
+    grouped.routing.n_group = 4;
+    grouped.routing.topk_group = 2;
+    cases.push((grouped, None));
+
+    for (n, (s, units)) in cases.into_iter().enumerate() {
+        let (h, e) = (s.shape.hidden, s.shape.experts);
+        let seed = 9300 + n as u64;
+        let calib = random_tokens(16, h, seed);
+        let x = random_tokens(1, h, seed + 1);
+        let x2 = random_tokens(1, h, seed + 2);
+        let w = with_scales(&s, random_weights(&s, seed).unwrap(), &calib);
+        let logits = router_logits(&x, w.router.as_ref().unwrap(), h, e);
+        let cpu = MoeLayer::new(s, w.clone(), BackendChoice::Use(Backend::Cpu)).unwrap();
+        let topk = cpu.route(&x, Some(&logits)).unwrap();
+        let mut layer = CudaLayer::new(&s, &w).unwrap();
+        layer.set_stream_units(units);
+        let st = layer.stream().clone();
+        let dl = st.clone_htod(&logits).unwrap();
+        let fresh = |layer: &CudaLayer, x: &[f32]| {
+            let mut ws = layer.workspace(1).unwrap();
+            st.memcpy_htod(x, &mut ws.x).unwrap();
+            ws
+        };
+        let what = format!(
+            "{} {} H{h} E{e} k{} units {units:?}",
+            s.activation, s.quant, s.routing.top_k
+        );
+        assert!(
+            layer.one_token_applies(1),
+            "{what}: the one-launch layer does not apply"
+        );
+        for source in [Source::Router, Source::Logits] {
+            layer.set_one_token(Some(false));
+            assert!(!layer.one_token_applies(1));
+            let mut ws = fresh(&layer, &x);
+            let split = forward_from(&layer, &mut ws, source, &dl, &topk);
+            let split_grouping = ws.grouping(&st).unwrap();
+            layer.set_one_token(None);
+            let mut ws = fresh(&layer, &x);
+            let one = forward_from(&layer, &mut ws, source, &dl, &topk);
+            assert_eq!(
+                ws.grouping(&st).unwrap(),
+                split_grouping,
+                "{what} {source:?}: grouping differs from the split path's"
+            );
+            let again = forward_from(&layer, &mut ws, source, &dl, &topk);
+            let names = ["output", "ids", "weights", "logits"];
+            let compared = if let Source::Router = source { 4 } else { 3 };
+            for j in 0..compared {
+                assert!(
+                    one[j] == split[j],
+                    "{what} {source:?}: {} differ from the split path's",
+                    names[j]
+                );
+                assert!(
+                    again[j] == one[j],
+                    "{what} {source:?}: second launch {} differ",
+                    names[j]
+                );
+            }
+            let out: Vec<f32> = one[0].iter().map(|&b| f32::from_bits(b)).collect();
+            assert!(
+                out.iter().all(|v| v.is_finite()),
+                "{what}: non-finite output"
+            );
+            assert!(out.iter().any(|&v| v != 0.0), "{what}: zero output");
+            let ids: Vec<i32> = one[1].iter().map(|&i| i as i32).collect();
+            assert_eq!(
+                ids, topk.ids,
+                "{what} {source:?}: ids differ from the CPU's"
+            );
+            let err = sample_error(&s, w.clone(), &x, &logits, &out, 1);
+            println!(
+                "one-token layer {what} {source:?}: bitwise the split path's, rel err {err:.3e}"
+            );
+            assert_near_reference(err, &format!("{what} {source:?}: "));
+        }
+
+        // Graph replays: the first token, then a new one in the same buffer.
+        let eager = |x: &[f32]| {
+            let mut ws = fresh(&layer, x);
+            layer.forward_device(&mut ws, None).unwrap();
+            st.clone_dtoh(&ws.out).unwrap()
+        };
+        let (y1, y2) = (eager(&x), eager(&x2));
+        let mut ws = fresh(&layer, &x);
+        st.synchronize().unwrap();
+        st.begin_capture(
+            cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+        .unwrap();
+        layer.forward_device(&mut ws, None).unwrap();
+        let graph = st
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .unwrap()
+            .expect("captured graph");
+        for (xi, yi) in [(&x, &y1), (&x2, &y2), (&x, &y1)] {
+            st.memcpy_htod(xi, &mut ws.x).unwrap();
+            graph.launch().unwrap();
+            let got = st.clone_dtoh(&ws.out).unwrap();
+            assert!(
+                same_bits(&got, yi) && got.len() == yi.len(),
+                "{what}: graph replay differs from eager"
+            );
+        }
+        assert!(
+            !same_bits(&y1, &y2),
+            "{what}: two tokens gave the same output"
+        );
+    }
+}
+
 /// The mma decode GEMMs give a token the same bits whether its batch takes one token subtile per
 /// pass (table-free dequantization, `_n1`), two or four (shared-memory tables, `_n2`/`_n4`):
 /// 16, 48 and 100 tokens over 16 experts, top-4 (4, 12 and 25 per expert), all with the wide

@@ -80,6 +80,9 @@ pub fn time_layer(
     }
     st.synchronize().map_err(driver_err("synchronize"))?;
     let times = replay_times(&layers, &mut wss, iterations)?;
+    if let Some(report) = layers[0].one_token_trace_report(&wss[0])? {
+        eprintln!("{report}");
+    }
     let stages_us = if stages {
         let mut prefix = Vec::new();
         for limit in 1..super::STAGES.len() {

@@ -13,9 +13,10 @@ use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 
 /// The shared headers kernel files include: conversions and MMA wrappers, the expert-GEMM
-/// parameters, dequantization and epilogues both GEMM paths use, and the routing, pair-sort and
-/// input-preparation code both the split kernels and `route_small` use.
-pub const HEADERS: [(&str, &str); 5] = [
+/// parameters, dequantization and epilogues both GEMM paths use, the routing, pair-sort and
+/// input-preparation code the split kernels, `route_small` and `one_token` use, and the
+/// streaming GEMMs' per-warp steps (`expert_stream.cu`, `one_token.cu`).
+pub const HEADERS: [(&str, &str); 6] = [
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     (
         "gemm_common.cuh",
@@ -30,11 +31,15 @@ pub const HEADERS: [(&str, &str); 5] = [
         "prepare_input.cuh",
         include_str!("../../kernels/prepare_input.cuh"),
     ),
+    (
+        "expert_stream.cuh",
+        include_str!("../../kernels/expert_stream.cuh"),
+    ),
 ];
 
 /// Kernel files, one pipeline stage each; `route_small.cu` fuses the first four stages for small
-/// batches.
-pub const SOURCES: [(&str, &str); 8] = [
+/// batches, `one_token.cu` the whole layer for one token.
+pub const SOURCES: [(&str, &str); 9] = [
     ("routing.cu", include_str!("../../kernels/routing.cu")),
     ("sort_pairs.cu", include_str!("../../kernels/sort_pairs.cu")),
     (
@@ -58,6 +63,7 @@ pub const SOURCES: [(&str, &str); 8] = [
         "route_small.cu",
         include_str!("../../kernels/route_small.cu"),
     ),
+    ("one_token.cu", include_str!("../../kernels/one_token.cu")),
 ];
 
 /// The text of kernel source or header `file` (tests tie host constants and structs to the
@@ -112,6 +118,7 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "gather_rows",
         ],
         "route_small.cu" => &["route_small"],
+        "one_token.cu" => &["one_token_plain", "one_token_gated"],
         "combine.cu" => &["combine"],
         "prefill_gemm.cu" => &[
             "prefill_gemm1_gated",

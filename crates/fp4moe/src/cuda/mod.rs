@@ -17,6 +17,7 @@
 
 pub mod bench;
 mod compile;
+mod one_token;
 pub mod pack;
 
 pub use compile::{
@@ -420,6 +421,11 @@ pub struct CudaWorkspace {
     chunk_counts: CudaSlice<i32>,
     /// `route_small`'s block ticket counter: 0 between launches (the last block resets it).
     route_ticket: CudaSlice<i32>,
+    /// `one_token`'s grid-barrier counters and combine tickets (`2 + H/16`): 0 between launches.
+    one_token_sync: CudaSlice<i32>,
+    /// `one_token`'s phase timestamps when `FP4MOE_ONE_TOKEN_TRACE=1` (a diagnostic, left out
+    /// of [`CudaLayer::workspace_bytes`]); one element otherwise.
+    one_token_trace: CudaSlice<u64>,
     active: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     g: CudaSlice<u16>,
@@ -487,6 +493,8 @@ pub struct CudaLayer {
     prefill_tile: Option<PrefillTile>,
     router_kernel: Option<RouterKernel>,
     stream_units: Option<usize>,
+    /// Forced on or off: the one-token layer in one launch ([`CudaLayer::set_one_token`]).
+    one_token: Option<bool>,
     /// Forwards stop after this many of [`STAGES`] (timing diagnostics).
     stage_limit: Option<usize>,
 }
@@ -1425,6 +1433,7 @@ impl CudaLayer {
             prefill_tile: None,
             router_kernel: None,
             stream_units: None,
+            one_token: None,
             stage_limit: None,
         })
     }
@@ -1566,6 +1575,8 @@ impl CudaLayer {
             + p.div_ceil(SORT_CHUNK) * e
             + 1
             + 2
+            + 2
+            + h / 16
             + tokens
             + p * h
             + tokens * h
@@ -1626,6 +1637,10 @@ impl CudaLayer {
             sorted: i32s(p)?,
             chunk_counts: i32s(p.div_ceil(SORT_CHUNK) * e)?,
             route_ticket: i32s(1)?,
+            one_token_sync: i32s(2 + h / 16)?,
+            one_token_trace: st
+                .alloc_zeros::<u64>(one_token::trace_len(self.dev.sms).max(1))
+                .map_err(driver_err("workspace allocation"))?,
             active: i32s(e)?,
             num_active: i32s(1)?,
             g: b16(p * i)?,
@@ -2500,35 +2515,15 @@ impl CudaLayer {
         self.gemms_device(ws, sorted)
     }
 
-    /// Expert GEMMs, shared expert and combine over a grouped and prepared batch (`ws.offsets`
-    /// … and `ws.a` / `ws.xs` written by [`CudaLayer::group_device`] or `route_small`; with
-    /// `sorted`, `ws.a_sorted` in place of `ws.a`).
-    fn gemms_device(&self, ws: &CudaWorkspace, sorted: bool) -> Result<()> {
-        if self.stops_after(1) {
-            return Ok(());
-        }
+    /// `GemmParams` of projection `proj` without the per-GEMM fields.
+    fn projection_params(&self, proj: &DeviceProjection) -> GemmParams {
         let st = &self.dev.stream;
-        let s = &self.spec;
-        let (t, h, i, e, k) = (
-            ws.tokens,
-            s.shape.hidden,
-            s.shape.intermediate,
-            s.shape.experts,
-            s.routing.top_k,
-        );
-        let p = t * k;
-        let act = s.activation;
+        let act = self.spec.activation;
         let act_id = crate::spec::Activation::ALL
             .iter()
             .position(|a| *a == act)
             .unwrap_or(0) as i32;
-        let grouping = self.grouping(ws);
-        let a = ptr(&ws.a, st);
-        let hid = h as i32;
-        let slots = p.min(e);
-        let path = self.path_for(p, e);
-        let (g, o, tw) = (ptr(&ws.g, st), ptr(&ws.o, st), ptr(&ws.weights, st));
-        let base = |proj: &DeviceProjection| GemmParams {
+        GemmParams {
             wdata: ptr(&proj.data, st),
             wscales: ptr(&proj.scales, st),
             wscale2: ptr(&proj.scale_2, st),
@@ -2538,16 +2533,26 @@ impl CudaLayer {
             rg_w: (proj.rows / 16) as i32,
             activation: act_id,
             ..Default::default()
-        };
+        }
+    }
+
+    /// The routed experts' GEMM1 and GEMM2 parameters over `ws` (its grouping, `ws.a` as
+    /// GEMM1's operand, `ws.g` between the GEMMs, `ws.o` the pairs' outputs).
+    fn routed_params(&self, ws: &CudaWorkspace) -> (GemmParams, GemmParams) {
+        let st = &self.dev.stream;
+        let s = &self.spec;
+        let (h, i, k) = (s.shape.hidden, s.shape.intermediate, s.routing.top_k);
+        let grouping = self.grouping(ws);
+        let (g, o, tw) = (ptr(&ws.g, st), ptr(&ws.o, st), ptr(&ws.weights, st));
         let p1 = GemmParams {
-            act: a,
+            act: ptr(&ws.a, st),
             g_out: g,
             rg_out: (i / 16) as i32,
             top_k: k as i32,
             out_stride: i as i32,
             act_alpha: self.gs1.map_or(1.0, |gs| 1.0 / gs),
             gs_out: self.gs2.unwrap_or(0.0),
-            ..grouping.params(base(&self.w13))
+            ..grouping.params(self.projection_params(&self.w13))
         };
         let p2 = GemmParams {
             act: g,
@@ -2557,8 +2562,26 @@ impl CudaLayer {
             top_k: 0,
             out_stride: h as i32,
             act_alpha: self.gs2.map_or(1.0, |gs| 1.0 / gs),
-            ..grouping.params(base(&self.w2))
+            ..grouping.params(self.projection_params(&self.w2))
         };
+        (p1, p2)
+    }
+
+    /// Expert GEMMs, shared expert and combine over a grouped and prepared batch (`ws.offsets`
+    /// … and `ws.a` / `ws.xs` written by [`CudaLayer::group_device`] or `route_small`; with
+    /// `sorted`, `ws.a_sorted` in place of `ws.a`).
+    fn gemms_device(&self, ws: &CudaWorkspace, sorted: bool) -> Result<()> {
+        if self.stops_after(1) {
+            return Ok(());
+        }
+        let st = &self.dev.stream;
+        let s = &self.spec;
+        let (t, h, e, k) = (ws.tokens, s.shape.hidden, s.shape.experts, s.routing.top_k);
+        let p = t * k;
+        let hid = h as i32;
+        let slots = p.min(e);
+        let path = self.path_for(p, e);
+        let (p1, p2) = self.routed_params(ws);
         let gathered = Some((ptr(&ws.a_sorted, st), sorted));
         self.expert_gemms(path, &self.w13, &self.w2, p1, p2, p, slots, t, gathered)?;
         if self.stops_after(2) {
@@ -2585,7 +2608,7 @@ impl CudaLayer {
                 out_stride: width as i32,
                 act_alpha: 1.0,
                 gs_out: 0.0,
-                ..sh.params(base(s13))
+                ..sh.params(self.projection_params(s13))
             };
             let q2 = GemmParams {
                 act: sg,
@@ -2595,7 +2618,7 @@ impl CudaLayer {
                 top_k: 0,
                 out_stride: h as i32,
                 act_alpha: 1.0,
-                ..sh.params(base(s2))
+                ..sh.params(self.projection_params(s2))
             };
             let path = self.path_for(t, 1);
             self.expert_gemms(path, s13, s2, q1, q2, t, 1, t, None)?;
@@ -2604,7 +2627,7 @@ impl CudaLayer {
             return Ok(());
         }
 
-        let y = ptr(&ws.out, st);
+        let (o, y) = (p2.o_out, ptr(&ws.out, st));
         let (tt, kk) = (t as i32, k as i32);
         let cfg = combine_launch(t, h);
         let mut args: [*mut c_void; 6] = [
@@ -2634,6 +2657,9 @@ impl CudaLayer {
         let sorted = match self.route_path_for(ws.tokens) {
             RoutePath::Fused => {
                 let source = logits.map_or(RouteSource::Router, RouteSource::Logits);
+                if self.one_token(ws, source)? {
+                    return Ok(());
+                }
                 self.route_small(ws, source)?;
                 false
             }
@@ -2869,9 +2895,9 @@ mod tests {
 
     #[test]
     fn stream_shape_sizes_shared_memory_and_prefers_one_wave() {
-        let threads = compile::kernel_define("expert_stream.cu", "STREAM_WARPS") * 32;
+        let threads = compile::kernel_define("expert_stream.cuh", "STREAM_WARPS") * 32;
         assert_eq!(threads, STREAM_THREADS);
-        let tile = compile::kernel_define("expert_stream.cu", "STREAM_TILE");
+        let tile = compile::kernel_define("expert_stream.cuh", "STREAM_TILE");
         assert_eq!(tile, STREAM_TILE);
         let h200 = 227 * 1024;
         // Nemotron GEMM1 at 1 token: 42 k groups of 576 bytes per unit, one activation row.

@@ -1,0 +1,357 @@
+// The one-token layer in one launch: router logits, top-k, grouping, input preparation, GEMM1
+// (+ activation, W4A4 QDQ), GEMM2 (+ router weight) and the combine, separated by two grid-wide
+// barriers instead of four kernel boundaries.
+//
+//   y = Σ_j w_j · W2_{e_j} · act(W13_{e_j} · a),   j < k in slot order (combine.cu's order)
+//
+// Why (KERNEL_NOTES, runs 34, 64, 75): at one token the split launch chain (route_small, two
+// streaming GEMMs, combine) took 38 µs for 8 µs of weight bytes: the launches alone 6.8 µs,
+// and each GEMM a latency chain over 0.66–0.95 of a wave that requests its weights only once
+// it runs. Here every block requests its GEMM1 weights (into shared memory) and its GEMM2
+// weights (into L2, a prefetch) as soon as the routing is known, and its GEMM2 copies into
+// shared memory while it waits at the second barrier, so both GEMMs' bytes stream at once.
+//
+// Every unit is computed by the streaming kernels' own per-warp code (expert_stream.cuh) with
+// the K split the host chose for them (rb1 / rb2 row groups per virtual block), so the bits are
+// those of the split path (logits: the same per-logit slices as route_small; the operand row:
+// prepare_input.cuh; top-k and grouping: routing.cuh, sort_pairs.cuh; the combine: a sum from
+// 0 in slot order).
+//
+// Grid: G blocks of OT_TEAMS_* teams of STREAM_WARPS warps, all resident at once (the
+// host sizes G from the occupancy it queried, and launches it without programmatic
+// serialization, after the previous work on the stream), which the grid barriers need.
+//   0. Router mode: logits e of the token over the blocks (router_logits_block, one per eight
+//      warps of a virtual block); every block prepares the token's GEMM1 operand row in shared memory. Barrier.
+//   1. Every block runs top-k and the grouping from the same logits (same code: all agree) into
+//      shared memory; block 0 writes ids, weights and the grouping out. GEMM1's virtual blocks
+//      v = (slot, x) of the streaming grid (x-fastest), block b taking v = b + G·i, i < vbpb1,
+//      team i % teams computing them: all copies first (one commit group per virtual block), then
+//      GEMM2's weights of this block prefetched into L2, then the units as their groups land.
+//      Then GEMM2's copies into the freed shared memory. Barrier (GEMM1's g rows written).
+//   2. GEMM2's operand rows (k of them) staged; its virtual blocks as in 1; per column block
+//      x a ticket: the last of the k slots' virtual blocks to finish adds the pairs' rows into y.
+// The barrier counters and tickets (`sync`) are back at 0 after every launch (graph replays).
+//
+// Shared memory (byte offsets from the host): header (OT_HDR_BYTES: ids, weights, sorted pairs,
+// active experts, counts, logit slices, offsets [E + 1]) | operand rows at smem_act (GEMM1: one
+// row [kp1 + 8] bf16; GEMM2: k rows [kp2 + 8]) | split-K partials at smem_red (per team) |
+// virtual-block regions at smem_w (region i: rb·U units' data then scales, expert_stream.cuh),
+// which top-k's scratch ([2E + 64] floats) uses before any copy lands there.
+#include "expert_stream.cuh"
+#include "routing.cuh"
+#include "sort_pairs.cuh"
+#include "prepare_input.cuh"
+
+// Teams of STREAM_WARPS warps per block, each computing one virtual block at a time: as many as
+// the registers allow one block per SM (plain units fit 64 registers a thread, gated ones 85).
+#define OT_TEAMS_PLAIN 4
+#define OT_TEAMS_GATED 3
+// Header layout (ints).
+#define OT_IDS 0
+#define OT_WEIGHTS 32
+#define OT_SORTED 64
+#define OT_ACTIVE 96
+#define OT_NUM 128
+#define OT_FLAG 130     // one per team (at most 8)
+#define OT_PART 138     // one per warp (at most 32)
+#define OT_OFFSETS 170
+#define OT_HDR_BYTES 2736  // 4 · (OT_OFFSETS + 513), rounded up to 16: E <= 512, top_k <= 32
+// Commit groups one thread may wait on (cp_async_wait_upto): virtual blocks per team.
+#define OT_MAX_GROUPS 8
+// Phase timestamps a traced launch records per block: entry, logits and operand row done,
+// barrier 1 passed, routing done and GEMM1's copies issued, GEMM1 computed, GEMM2's copies
+// issued, barrier 2 passed and GEMM2's operand staged, exit.
+#define OT_TRACE_POINTS 8
+
+// The layout matches the host's `OneTokenParams`.
+struct OneTokenParams {
+    GemmParams g1;         // GEMM1; its grouping pointers are where block 0 writes the grouping
+    GemmParams g2;         // GEMM2 (o_out: the pairs' rows the combine adds)
+    const float* x;        // [H]
+    const float* router;   // [E, H]; null: the logits are given
+    float* logits;         // [E]: written (router) or read
+    const float* bias;     // [E] or null
+    int* ids;              // [k]
+    float* weights;        // [k]
+    float* y;              // [H]
+    unsigned* sync;        // [2 + column blocks]: arrivals, generation, combine tickets; 0 between launches
+    int experts, top_k, scoring, n_group, topk_group, renormalize;
+    float rsf, gs;         // gs: W4A4 input global scale (0: W4A16)
+    int rb1, rb2;          // row groups per virtual block of GEMM1 / GEMM2 (their K split)
+    int vbpb1, vbpb2;      // virtual blocks per block (ceil(total / G))
+    int smem_act, smem_red, smem_w;
+    int prefetch;          // GEMM2's weights prefetched into L2 during GEMM1
+    unsigned long long* trace;  // null, or [G][OT_TRACE_POINTS] %globaltimer ns per block (diagnostic)
+};
+
+// A barrier wait longer than this means some block never became resident (another stream's
+// work holding SMs the host counted): the kernel traps, so the caller gets a launch error
+// instead of a hang. A legitimate wait is a few microseconds.
+#define OT_BARRIER_TIMEOUT_NS 2000000000ull
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Thread 0's timestamp of phase point i, when tracing.
+__device__ __forceinline__ void trace_point(unsigned long long* trace, int i) {
+    if (trace && threadIdx.x == 0) trace[blockIdx.x * OT_TRACE_POINTS + i] = global_ns();
+}
+
+// Every block of the launch meets here (sense reversal: the last to arrive resets the count and
+// bumps the generation the others wait for). Each thread's fence publishes its writes before
+// its block arrives; thread 0's after the wait makes the others' visible to the block.
+__device__ __forceinline__ void grid_barrier(unsigned* sync) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned gen = ld_acquire(sync + 1);
+        if (atomicAdd(sync, 1u) == gridDim.x - 1) {
+            atomicExch(sync, 0u);
+            __threadfence();
+            atomicAdd(sync + 1, 1u);
+        } else {
+            const unsigned long long t0 = global_ns();
+            while (ld_acquire(sync + 1) == gen)
+                if (global_ns() - t0 > OT_BARRIER_TIMEOUT_NS) __trap();
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// The 256 threads of team h (named barrier 1 + h).
+__device__ __forceinline__ void team_sync(int h) {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + h), "r"(STREAM_WARPS * 32) : "memory");
+}
+
+// A virtual block of a GEMM: slot (active expert index) and column block x of the streaming
+// grid, x fastest.
+struct VBlock {
+    int slot, x;
+};
+__device__ __forceinline__ VBlock vblock_at(int v, int nvx) { return VBlock{v / nvx, v - (v / nvx) * nvx}; }
+
+// This team's copies of its virtual blocks of GEMM p (one commit group each, also for a
+// virtual block past the grid, so every thread counts the same groups); returns the groups.
+template <bool GATED>
+__device__ __forceinline__ int issue_copies(const GemmParams& p, int rb, int vbpb, int slots, const int* s_active,
+                                            u8* sw) {
+    constexpr int U = GATED ? 2 : 1;
+    const int team = threadIdx.x / (STREAM_WARPS * 32), hw = (threadIdx.x >> 5) % STREAM_WARPS;
+    const int lane = threadIdx.x & 31, ksplit = STREAM_WARPS / rb, rgl = hw % rb, ks = hw / rb;
+    const int kg = p.kg, nvx = (p.rg_out + rb - 1) / rb, total = nvx * slots;
+    const size_t region = (size_t)rb * U * kg * 576;
+    int groups = 0;
+    const int teams = blockDim.x / (STREAM_WARPS * 32);
+    for (int i = team; i < vbpb; i += teams) {
+        const int v = blockIdx.x + gridDim.x * i;
+        if (v < total) {
+            const VBlock b = vblock_at(v, nvx);
+            const int rg = b.x * rb + rgl;
+            if (rg < p.rg_out) {
+                u8* sd = sw + i * region;
+                stream_copy_slice<GATED>(p, s_active[b.slot], rg, rgl, ks * kg / ksplit, (ks + 1) * kg / ksplit, sd,
+                                         sd + (size_t)rb * U * kg * 512, lane);
+            }
+        }
+        cp_async_commit();
+        groups++;
+    }
+    return groups;
+}
+
+// GEMM2's weight rows of this block's virtual blocks into L2 (a hint: their cp.async copies
+// after GEMM1 then hit L2 instead of DRAM, and both GEMMs' bytes are requested at once).
+__device__ __forceinline__ void prefetch_l2(const GemmParams& p, int rb, int vbpb, int slots, const int* s_active) {
+    const int kg = p.kg, nvx = (p.rg_out + rb - 1) / rb, total = nvx * slots;
+    for (int i = 0; i < vbpb; i++) {
+        const int v = blockIdx.x + gridDim.x * i;
+        if (v >= total) break;
+        const VBlock b = vblock_at(v, nvx);
+        const size_t wr = (size_t)s_active[b.slot] * p.rg_w + b.x * rb;
+        const size_t rows = min(rb, p.rg_out - b.x * rb);
+        const u8* d = p.wdata + wr * kg * 512;
+        const u8* s = p.wscales + wr * kg * 64;
+        for (size_t o = threadIdx.x * 128; o < rows * kg * 512; o += blockDim.x * 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(d + o));
+        for (size_t o = threadIdx.x * 128; o < rows * kg * 64; o += blockDim.x * 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(s + o));
+    }
+}
+
+// This team's virtual blocks of GEMM STAGE, units computed as their copies land (`groups`:
+// what issue_copies returned). B operand: row 0 of `sact` (GEMM1, the token) or row
+// offsets[e] (GEMM2, the pair's g row). STAGE 2: per column block, the last slot to finish
+// adds the pairs' rows into y.
+template <int STAGE, bool GATED>
+__device__ __forceinline__ void compute_units(const OneTokenParams& tp, const GemmParams& p, int rb, int vbpb,
+                                              int slots, int groups, const int* s_active, const int* s_offsets,
+                                              const __nv_bfloat16* sact, int stride, float* red_all, u8* sw,
+                                              int* s_flag) {
+    constexpr int U = GATED ? 2 : 1;
+    const int team = threadIdx.x / (STREAM_WARPS * 32), hw = (threadIdx.x >> 5) % STREAM_WARPS;
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int ksplit = STREAM_WARPS / rb, rgl = hw % rb, ks = hw / rb;
+    const int kg = p.kg, nvx = (p.rg_out + rb - 1) / rb, total = nvx * slots;
+    const size_t region = (size_t)rb * U * kg * 576;
+    float* red = red_all + team * (STREAM_WARPS - 1) * 32 * 4 * U;  // (ksplit − 1)·rb <= 7 slots
+    int done = 0;
+    const int teams = blockDim.x / (STREAM_WARPS * 32);
+    for (int i = team; i < vbpb; i += teams, done++) {
+        const int v = blockIdx.x + gridDim.x * i;
+        if (v >= total) break;  // the same for the whole team
+        const VBlock b = vblock_at(v, nvx);
+        const int e = s_active[b.slot], rg = b.x * rb + rgl;
+        const bool active_warp = rg < p.rg_out;
+        const int base = s_offsets[e];  // one pair per expert
+        float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, accu[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+        cp_async_wait_upto(groups - 1 - done);
+        __syncwarp();
+        if (active_warp) {
+            const u8* sd = sw + i * region;
+            const u8* wd0 = sd + (size_t)(rgl * U) * kg * 512 + lane * 16;
+            const u8* ws0 = sd + (size_t)rb * U * kg * 512 + (size_t)(rgl * U) * kg * 64 + g * 8;
+            const __nv_bfloat16* brow = sact + (STAGE == 1 ? 0 : base) * stride + 2 * q;
+            stream_slice_mma<GATED>(wd0, ws0, kg, brow, g == 0, ks * kg / ksplit, (ks + 1) * kg / ksplit, acc[0],
+                                    accu[0]);
+        }
+        stream_park<GATED>(red, ks, rb, rgl, lane, acc[0], accu[0]);
+        team_sync(team);
+        if (ks == 0 && active_warp) {
+            stream_sum_slices<GATED>(red, ksplit, rb, rgl, lane, acc[0], accu[0]);
+            if (STAGE == 1)
+                store_gemm1<1, GATED>(p, acc, accu, e, base, 1, 0, rg, 1, NVFP4_DEQ_UNSCALE);
+            else
+                store_gemm2<1>(p, acc, e, base, 1, 0, rg, 1, NVFP4_DEQ_UNSCALE);
+            if (STAGE == 2) __threadfence();  // the pair's rows before this slot's ticket
+        }
+        if (STAGE == 2) {
+            const int hid = p.rg_out * 16, r0 = b.x * rb * 16, r1 = min(r0 + rb * 16, hid);
+            team_sync(team);
+            if (hw == 0 && lane == 0) {
+                const int last = atomicAdd(tp.sync + 2 + b.x, 1u) == (unsigned)(slots - 1);
+                if (last) {
+                    tp.sync[2 + b.x] = 0;  // every slot has drawn: ready for the next launch
+                    __threadfence();       // acquire: the other slots' rows are read after their tickets
+                }
+                s_flag[team] = last;
+            }
+            team_sync(team);
+            if (s_flag[team]) {
+                const int t = threadIdx.x - team * STREAM_WARPS * 32;
+                for (int r = r0 + t; r < r1; r += STREAM_WARPS * 32) {
+                    float acc_y = 0.0f;
+                    for (int j = 0; j < tp.top_k; j++) acc_y += __ldcg(p.o_out + (size_t)j * hid + r);
+                    tp.y[r] = acc_y;
+                }
+            }
+        }
+        team_sync(team);  // `red` and s_flag are reused by this team's next virtual block
+    }
+}
+
+template <bool GATED>
+__device__ __forceinline__ void one_token(const OneTokenParams& p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    int* hdr = reinterpret_cast<int*>(smem);
+    int* s_ids = hdr + OT_IDS;
+    float* s_w = reinterpret_cast<float*>(hdr + OT_WEIGHTS);
+    int* s_sorted = hdr + OT_SORTED;
+    int* s_active = hdr + OT_ACTIVE;
+    int* s_num = hdr + OT_NUM;
+    int* s_flag = hdr + OT_FLAG;
+    float* part = reinterpret_cast<float*>(hdr + OT_PART);
+    int* s_offsets = hdr + OT_OFFSETS;
+    __nv_bfloat16* sact = reinterpret_cast<__nv_bfloat16*>(smem + p.smem_act);
+    float* red = reinterpret_cast<float*>(smem + p.smem_red);
+    u8* sw = smem + p.smem_w;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int experts = p.experts, k = p.top_k, hidden = p.g1.k;
+    trace_point(p.trace, 0);
+
+    // 0. Logits (router mode) and the token's GEMM1 operand row, zero over the k padding.
+    if (p.router) {
+        const int per = (blockDim.x >> 5) / router_slices(experts);
+        const int nvb = (experts + per - 1) / per;
+        for (int v = blockIdx.x; v < nvb; v += gridDim.x) {
+            router_logits_block(p.x, p.router, p.logits, experts, experts, hidden, part, v);
+            __syncthreads();  // `part` is rewritten by the next virtual block
+        }
+    }
+    prepare_row(p.x, sact, nullptr, hidden, p.gs, threadIdx.x, blockDim.x);
+    for (int c = hidden + threadIdx.x; c < p.g1.kg * 64; c += blockDim.x) sact[c] = __float2bfloat16_rn(0.0f);
+    trace_point(p.trace, 1);
+    if (p.router) grid_barrier(p.sync);
+    trace_point(p.trace, 2);
+
+    // 1. Routing, the same in every block.
+    if (warp == 0) {
+        topk_token(p.logits, p.bias, s_ids, s_w, reinterpret_cast<float*>(sw), experts, k, p.scoring, p.n_group,
+                   p.topk_group, p.renormalize, p.rsf);
+        sort_pairs_warp(s_ids, k, experts, s_offsets, s_sorted, s_active, s_num);
+    }
+    __syncthreads();
+    const int slots = *s_num;
+    if (blockIdx.x == 0) {
+        // The routing and grouping outputs of the split path (the workspace's buffers).
+        const int t = threadIdx.x;
+        if (t < k) {
+            p.ids[t] = s_ids[t];
+            p.weights[t] = s_w[t];
+            const_cast<int*>(p.g1.sorted)[t] = s_sorted[t];
+        }
+        if (t < slots) const_cast<int*>(p.g1.active)[t] = s_active[t];
+        if (t == 0) *const_cast<int*>(p.g1.num_active) = slots;
+        for (int x = t; x <= experts; x += blockDim.x) const_cast<int*>(p.g1.offsets)[x] = s_offsets[x];
+    }
+    // Top-k's scratch in sw is free (the __syncthreads above): the copies may land there.
+    const int groups1 = issue_copies<GATED>(p.g1, p.rb1, p.vbpb1, slots, s_active, sw);
+    if (p.prefetch) prefetch_l2(p.g2, p.rb2, p.vbpb2, slots, s_active);
+    trace_point(p.trace, 3);
+    // GEMM2's operand rows are read by sorted position, where store_gemm2 finds the pair.
+    GemmParams g2 = p.g2;
+    g2.sorted = s_sorted;
+    g2.topk_w = s_w;
+    const int stride1 = p.g1.kg * 64 + 8;
+    compute_units<1, GATED>(p, p.g1, p.rb1, p.vbpb1, slots, groups1, s_active, s_offsets, sact, stride1, red, sw,
+                            s_flag);
+    __syncthreads();  // every region read: GEMM2's copies may overwrite them
+    trace_point(p.trace, 4);
+    const int groups2 = issue_copies<false>(g2, p.rb2, p.vbpb2, slots, s_active, sw);
+    trace_point(p.trace, 5);
+    grid_barrier(p.sync);
+
+    // 2. GEMM2's operand: the k pairs' g rows (sorted order), zero over the k padding.
+    const int kp2 = p.g2.kg * 64, stride2 = kp2 + 8, inter = p.g2.k;
+    for (int r = warp; r < k; r += blockDim.x >> 5) {
+        const __nv_bfloat16* src = p.g1.g_out + (size_t)r * inter;
+        for (int c8 = lane; c8 < kp2 / 8; c8 += 32) {
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (c8 * 8 < inter) v = __ldcg(reinterpret_cast<const uint4*>(src + c8 * 8));
+            *reinterpret_cast<uint4*>(sact + r * stride2 + c8 * 8) = v;
+        }
+    }
+    __syncthreads();
+    trace_point(p.trace, 6);
+    compute_units<2, false>(p, g2, p.rb2, p.vbpb2, slots, groups2, s_active, s_offsets, sact, stride2, red, sw,
+                            s_flag);
+    cp_async_wait<0>();
+    __syncthreads();
+    trace_point(p.trace, 7);
+}
+
+// The host launches OT_TEAMS_* · STREAM_WARPS · 32 threads.
+extern "C" __global__ void __launch_bounds__(OT_TEAMS_PLAIN * STREAM_WARPS * 32, 1) one_token_plain(const OneTokenParams p) {
+    one_token<false>(p);
+}
+extern "C" __global__ void __launch_bounds__(OT_TEAMS_GATED * STREAM_WARPS * 32, 1) one_token_gated(const OneTokenParams p) {
+    one_token<true>(p);
+}
