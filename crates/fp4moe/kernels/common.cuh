@@ -11,6 +11,7 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
+typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
 #ifndef INFINITY

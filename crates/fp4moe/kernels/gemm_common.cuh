@@ -50,6 +50,44 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// mbarriers (sm_90: transaction counts for the bulk copy engine; prefill_gemm.cu, one_token.cu).
+// fence_proxy_async orders this thread's generic-proxy shared-memory accesses (cp.async writes
+// included) with later async-proxy ones (wgmma reads, bulk-copy writes).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// Spins until the phase of parity `parity` of `bar` has completed. CLUSTER: acquire at cluster
+// scope, for arrivals from the other CTA of a cluster; else at CTA scope (a cluster-scope
+// acquire invalidates L1 on every wait: `CCTL.IVALL`, 2 % of the one-CTA kernel's warp
+// samples in run 43).
+template <bool CLUSTER>
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done;
+    do {
+        if constexpr (CLUSTER)
+            asm volatile(
+                "{\n.reg .pred p;\n"
+                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                "selp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(smem_u32(bar)), "r"(parity)
+                : "memory");
+        else
+            asm volatile(
+                "{\n.reg .pred p;\n"
+                "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+                "selp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(smem_u32(bar)), "r"(parity)
+                : "memory");
+    } while (!done);
+}
+
 // Exact NVFP4 → bf16 dequantization in registers, without tables (shared-memory lookups cost
 // bank cycles the tensor cores and the activation staging need). An E2M1 code s·e1e0m placed in bf16 bits 15 and 8..6 reads
 // as its value times 2^-126 (bf16 subnormal for code 1, which bf16 arithmetic keeps); the block

@@ -33,7 +33,7 @@
 // The barrier counters and tickets (`sync`) are back at 0 after every launch (graph replays).
 //
 // Shared memory (byte offsets from the host): header (OT_HDR_BYTES: ids, weights, sorted pairs,
-// active experts, counts, logit slices, offsets [E + 1]) | operand rows at smem_act (GEMM1: one
+// active experts, counts, logit slices, offsets [E + 1], the virtual blocks' mbarriers) | operand rows at smem_act (GEMM1: one
 // row [kp1 + 8] bf16; GEMM2: k rows [kp2 + 8]) | split-K partials at smem_red (per team) |
 // virtual-block regions at smem_w (region i: rb·U units' data then scales, expert_stream.cuh),
 // which top-k's scratch ([2E + 64] floats) uses before any copy lands there.
@@ -54,8 +54,9 @@
 #define OT_NUM 128
 #define OT_FLAG 130     // one per team (at most 8)
 #define OT_PART 138     // one per warp (at most 32)
-#define OT_OFFSETS 170
-#define OT_HDR_BYTES 2736  // 4 · (OT_OFFSETS + 513), rounded up to 16: E <= 512, top_k <= 32
+#define OT_OFFSETS 170  // E + 1 <= 513 ints
+#define OT_BARS_BYTE 2736  // 2 x 32 mbarriers (GEMM1's, GEMM2's virtual blocks; sm_90)
+#define OT_HDR_BYTES 3248
 // Commit groups one thread may wait on (cp_async_wait_upto): virtual blocks per team.
 #define OT_MAX_GROUPS 8
 // Phase timestamps a traced launch records per block: entry, logits and operand row done,
@@ -105,26 +106,51 @@ __device__ __forceinline__ void trace_point(unsigned long long* trace, int i) {
     if (trace && threadIdx.x == 0) trace[blockIdx.x * OT_TRACE_POINTS + i] = global_ns();
 }
 
-// Every block of the launch meets here (sense reversal: the last to arrive resets the count and
-// bumps the generation the others wait for). Each thread's fence publishes its writes before
-// its block arrives; thread 0's after the wait makes the others' visible to the block.
-__device__ __forceinline__ void grid_barrier(unsigned* sync) {
-    __threadfence();
+// Grid barrier in two halves (sense reversal: the last block to arrive resets the count and
+// bumps the generation the others wait for), so a block can start copies between them. The
+// block barrier before thread 0's fence publishes the block's writes (as cooperative groups'
+// grid sync does); thread 0's fence after the wait makes the other blocks' visible. Returns
+// the generation to wait on (thread 0's).
+__device__ __forceinline__ unsigned grid_arrive(unsigned* sync) {
     __syncthreads();
+    unsigned gen = 0;
     if (threadIdx.x == 0) {
-        const unsigned gen = ld_acquire(sync + 1);
+        gen = ld_acquire(sync + 1);
+        __threadfence();
         if (atomicAdd(sync, 1u) == gridDim.x - 1) {
             atomicExch(sync, 0u);
             __threadfence();
             atomicAdd(sync + 1, 1u);
-        } else {
-            const unsigned long long t0 = global_ns();
-            while (ld_acquire(sync + 1) == gen)
-                if (global_ns() - t0 > OT_BARRIER_TIMEOUT_NS) __trap();
         }
+    }
+    return gen;
+}
+__device__ __forceinline__ void grid_wait(const unsigned* sync, unsigned gen) {
+    if (threadIdx.x == 0) {
+        const unsigned long long t0 = global_ns();
+        while (ld_acquire(sync + 1) == gen)
+            if (global_ns() - t0 > OT_BARRIER_TIMEOUT_NS) __trap();
         __threadfence();
     }
     __syncthreads();
+}
+
+// sm_90: the weights come through the bulk copy engine (one copy per unit's data and one per
+// its scales, whole K, completing on the virtual block's mbarrier): run 84's trace showed the
+// blocks' cp.async issue pacing at ~20 GB/s per SM. Before: 16-byte cp.async per lane.
+#if __CUDA_ARCH__ >= 900
+#define OT_BULK 1
+#else
+#define OT_BULK 0
+#endif
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 // The 256 threads of team h (named barrier 1 + h).
@@ -143,8 +169,32 @@ __device__ __forceinline__ VBlock vblock_at(int v, int nvx) { return VBlock{v / 
 // virtual block past the grid, so every thread counts the same groups); returns the groups.
 template <bool GATED>
 __device__ __forceinline__ int issue_copies(const GemmParams& p, int rb, int vbpb, int slots, const int* s_active,
-                                            u8* sw) {
+                                            u8* sw, u64* bars) {
     constexpr int U = GATED ? 2 : 1;
+#if OT_BULK
+    // Thread 0: virtual block i's units onto bars[i] (0 bytes past the grid: the phase completes).
+    if (threadIdx.x == 0) {
+        fence_proxy_async();  // the regions' earlier generic accesses before the async writes
+        const int kg = p.kg, nvx = (p.rg_out + rb - 1) / rb, total = nvx * slots;
+        const size_t region = (size_t)rb * U * kg * 576;
+        for (int i = 0; i < vbpb; i++) {
+            const int v = blockIdx.x + gridDim.x * i;
+            const VBlock b = vblock_at(v, nvx);
+            const int units = v < total ? min(rb, p.rg_out - b.x * rb) : 0;
+            mbar_expect_tx(bars + i, (u32)(units * U * kg * 576));
+            u8* sd = sw + i * region;
+            u8* ss = sd + (size_t)rb * U * kg * 512;
+            for (int rgl = 0; rgl < units; rgl++)
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const size_t wr = (size_t)s_active[b.slot] * p.rg_w + b.x * rb + rgl + u * p.rg_out;
+                    bulk_copy(sd + (size_t)(rgl * U + u) * kg * 512, p.wdata + wr * kg * 512, kg * 512, bars + i);
+                    bulk_copy(ss + (size_t)(rgl * U + u) * kg * 64, p.wscales + wr * kg * 64, kg * 64, bars + i);
+                }
+        }
+    }
+    return 0;
+#else
     const int team = threadIdx.x / (STREAM_WARPS * 32), hw = (threadIdx.x >> 5) % STREAM_WARPS;
     const int lane = threadIdx.x & 31, ksplit = STREAM_WARPS / rb, rgl = hw % rb, ks = hw / rb;
     const int kg = p.kg, nvx = (p.rg_out + rb - 1) / rb, total = nvx * slots;
@@ -166,6 +216,7 @@ __device__ __forceinline__ int issue_copies(const GemmParams& p, int rb, int vbp
         groups++;
     }
     return groups;
+#endif
 }
 
 // GEMM2's weight rows of this block's virtual blocks into L2 (a hint: their cp.async copies
@@ -180,10 +231,18 @@ __device__ __forceinline__ void prefetch_l2(const GemmParams& p, int rb, int vbp
         const size_t rows = min(rb, p.rg_out - b.x * rb);
         const u8* d = p.wdata + wr * kg * 512;
         const u8* s = p.wscales + wr * kg * 64;
+#if OT_BULK
+        // One thread, one bulk prefetch per span (a line per thread cost ~2 µs of issue, run 84).
+        if (threadIdx.x == 32) {
+            bulk_prefetch_l2(d, (u32)(rows * kg * 512));
+            bulk_prefetch_l2(s, (u32)(rows * kg * 64));
+        }
+#else
         for (size_t o = threadIdx.x * 128; o < rows * kg * 512; o += blockDim.x * 128)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(d + o));
         for (size_t o = threadIdx.x * 128; o < rows * kg * 64; o += blockDim.x * 128)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(s + o));
+#endif
     }
 }
 
@@ -195,7 +254,7 @@ template <int STAGE, bool GATED>
 __device__ __forceinline__ void compute_units(const OneTokenParams& tp, const GemmParams& p, int rb, int vbpb,
                                               int slots, int groups, const int* s_active, const int* s_offsets,
                                               const __nv_bfloat16* sact, int stride, float* red_all, u8* sw,
-                                              int* s_flag) {
+                                              int* s_flag, u64* bars) {
     constexpr int U = GATED ? 2 : 1;
     const int team = threadIdx.x / (STREAM_WARPS * 32), hw = (threadIdx.x >> 5) % STREAM_WARPS;
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -213,8 +272,12 @@ __device__ __forceinline__ void compute_units(const OneTokenParams& tp, const Ge
         const bool active_warp = rg < p.rg_out;
         const int base = s_offsets[e];  // one pair per expert
         float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}}, accu[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+#if OT_BULK
+        mbar_wait<false>(bars + i, 0);  // each barrier completes one phase per launch
+#else
         cp_async_wait_upto(groups - 1 - done);
         __syncwarp();
+#endif
         if (active_warp) {
             const u8* sd = sw + i * region;
             const u8* wd0 = sd + (size_t)(rgl * U) * kg * 512 + lane * 16;
@@ -273,9 +336,16 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
     __nv_bfloat16* sact = reinterpret_cast<__nv_bfloat16*>(smem + p.smem_act);
     float* red = reinterpret_cast<float*>(smem + p.smem_red);
     u8* sw = smem + p.smem_w;
+    u64* bars = reinterpret_cast<u64*>(smem + OT_BARS_BYTE);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int experts = p.experts, k = p.top_k, hidden = p.g1.k;
     trace_point(p.trace, 0);
+#if OT_BULK
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < 64; i++) mbar_init(bars + i, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+#endif
 
     // 0. Logits (router mode) and the token's GEMM1 operand row, zero over the k padding.
     if (p.router) {
@@ -289,7 +359,7 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
     prepare_row(p.x, sact, nullptr, hidden, p.gs, threadIdx.x, blockDim.x);
     for (int c = hidden + threadIdx.x; c < p.g1.kg * 64; c += blockDim.x) sact[c] = __float2bfloat16_rn(0.0f);
     trace_point(p.trace, 1);
-    if (p.router) grid_barrier(p.sync);
+    if (p.router) grid_wait(p.sync, grid_arrive(p.sync));
     trace_point(p.trace, 2);
 
     // 1. Routing, the same in every block.
@@ -313,7 +383,7 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
         for (int x = t; x <= experts; x += blockDim.x) const_cast<int*>(p.g1.offsets)[x] = s_offsets[x];
     }
     // Top-k's scratch in sw is free (the __syncthreads above): the copies may land there.
-    const int groups1 = issue_copies<GATED>(p.g1, p.rb1, p.vbpb1, slots, s_active, sw);
+    const int groups1 = issue_copies<GATED>(p.g1, p.rb1, p.vbpb1, slots, s_active, sw, bars);
     if (p.prefetch) prefetch_l2(p.g2, p.rb2, p.vbpb2, slots, s_active);
     trace_point(p.trace, 3);
     // GEMM2's operand rows are read by sorted position, where store_gemm2 finds the pair.
@@ -322,12 +392,14 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
     g2.topk_w = s_w;
     const int stride1 = p.g1.kg * 64 + 8;
     compute_units<1, GATED>(p, p.g1, p.rb1, p.vbpb1, slots, groups1, s_active, s_offsets, sact, stride1, red, sw,
-                            s_flag);
+                            s_flag, bars);
     __syncthreads();  // every region read: GEMM2's copies may overwrite them
     trace_point(p.trace, 4);
-    const int groups2 = issue_copies<false>(g2, p.rb2, p.vbpb2, slots, s_active, sw);
+    // GEMM1's g rows are published at the arrival; GEMM2's weight copies run during the wait.
+    const unsigned gen = grid_arrive(p.sync);
+    const int groups2 = issue_copies<false>(g2, p.rb2, p.vbpb2, slots, s_active, sw, bars + 32);
     trace_point(p.trace, 5);
-    grid_barrier(p.sync);
+    grid_wait(p.sync, gen);
 
     // 2. GEMM2's operand: the k pairs' g rows (sorted order), zero over the k padding.
     const int kp2 = p.g2.kg * 64, stride2 = kp2 + 8, inter = p.g2.k;
@@ -342,7 +414,7 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
     __syncthreads();
     trace_point(p.trace, 6);
     compute_units<2, false>(p, g2, p.rb2, p.vbpb2, slots, groups2, s_active, s_offsets, sact, stride2, red, sw,
-                            s_flag);
+                            s_flag, bars + 32);
     cp_async_wait<0>();
     __syncthreads();
     trace_point(p.trace, 7);

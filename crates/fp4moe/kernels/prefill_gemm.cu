@@ -82,7 +82,6 @@ static_assert(PF_MMA_DEPTH >= 1 && PF_MMA_DEPTH <= 3, "frag holds four steps; th
 #define PF_THREADS_WIDE 256
 #define PF_RING_OFFSET 3072  // below it: the row table, the tile, the barriers, the tokens' pairs
 
-typedef unsigned long long u64;
 
 // Bytes of one ring stage of an NT-token tile over SLOTS 16-row slots: the activation rows (128
 // bytes per token), the slots' packed data and scales, rounded up to 1024 bytes (a 128-byte-
@@ -121,8 +120,6 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
-// Makes the generic-proxy (cp.async) writes of this thread visible to wgmma's async proxy.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Keeps the compiler from touching the accumulators across the asynchronous MMAs.
 template <int NSUB>
@@ -148,39 +145,6 @@ __device__ __forceinline__ u64 smem_desc_sw128(const void* p) {
     return (u64)((a >> 4) & 0x3FFF) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-// Spins until the phase of parity `parity` of `bar` has completed. CLUSTER: acquire at cluster
-// scope, for arrivals from the other CTA of a cluster; else at CTA scope (a cluster-scope
-// acquire invalidates L1 on every wait: `CCTL.IVALL`, 2 % of the one-CTA kernel's warp
-// samples in run 43).
-template <bool CLUSTER>
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    u32 done;
-    do {
-        if constexpr (CLUSTER)
-            asm volatile(
-                "{\n.reg .pred p;\n"
-                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                "selp.u32 %0, 1, 0, p;\n}\n"
-                : "=r"(done)
-                : "r"(smem_u32(bar)), "r"(parity)
-                : "memory");
-        else
-            asm volatile(
-                "{\n.reg .pred p;\n"
-                "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-                "selp.u32 %0, 1, 0, p;\n}\n"
-                : "=r"(done)
-                : "r"(smem_u32(bar)), "r"(parity)
-                : "memory");
-    } while (!done);
-}
 // One arrival on the barrier at the same offset as `bar` in cluster CTA `rank`.
 __device__ __forceinline__ void mbar_arrive_remote(u64* bar, u32 rank) {
     u32 remote;

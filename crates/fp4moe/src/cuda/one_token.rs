@@ -33,7 +33,7 @@ pub(super) const fn teams(gated: bool) -> usize {
     }
 }
 /// Bytes of the kernel's shared header (`OT_HDR_BYTES`).
-pub(super) const OT_HDR_BYTES: usize = 2736;
+pub(super) const OT_HDR_BYTES: usize = 3248;
 /// Most virtual blocks a half waits on (`OT_MAX_GROUPS`, cp.async commit groups).
 pub(super) const OT_MAX_GROUPS: usize = 8;
 /// Timestamps a traced launch records per block (`OT_TRACE_POINTS`), and their names.
@@ -390,7 +390,11 @@ mod tests {
         assert_eq!(kernel_define("expert_stream.cuh", "STREAM_WARPS"), 8);
         // The header holds the offsets of 512 experts after OT_OFFSETS ints.
         let offsets = kernel_define("one_token.cu", "OT_OFFSETS");
-        assert!(4 * (offsets + super::super::MAX_EXPERTS + 1) <= OT_HDR_BYTES);
+        let bars = kernel_define("one_token.cu", "OT_BARS_BYTE");
+        assert!(4 * (offsets + super::super::MAX_EXPERTS + 1) <= bars);
+        // Two sets of mbarriers, one per virtual block a block takes: teams x OT_MAX_GROUPS.
+        assert!(teams(false).max(teams(true)) * OT_MAX_GROUPS <= 32);
+        assert!(bars % 8 == 0 && bars + 64 * 8 <= OT_HDR_BYTES);
         assert_eq!(OT_HDR_BYTES % 16, 0);
         assert_eq!(std::mem::size_of::<GemmParams>(), 136);
         assert_eq!(
