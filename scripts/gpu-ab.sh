@@ -11,7 +11,8 @@
 # Other knobs (defaults): AB_TOKENS (1,8,64,256,1024,4096,16384), AB_PRESETS (nemotron3-nano
 # qwen3-30b-a3b), AB_ROUNDS (2), AB_TESTS (1: run .gpu/tests/*), AB_SWEEP (0: the first variant's
 # sweep over both modes), AB_TORCH (0), AB_DEADLINE (540: seconds after which no new bench
-# starts), AB_TEST_TIMEOUT (420: seconds per test executable). Prints the medians of every A/B run last.
+# starts), AB_TEST_TIMEOUT (420: seconds per test executable), AB_TEST_FILTER (cuda_device's
+# test name filters; default all), AB_MODES (w4a16; e.g. "w4a16 w4a4"). Prints the medians of every A/B run last.
 set -u
 OUT="${OUT:-/tmp/out}"; R=/tmp/res; mkdir -p "$R" "$OUT"
 trap 'tar czf "$OUT/res.tgz" -C /tmp res' EXIT
@@ -44,7 +45,12 @@ if [ "${AB_TESTS:-1}" = 1 ]; then
   # The test executables embed the kernels of .gpu/fp4moe's build: its cache serves them.
   export FP4MOE_CACHE_DIR="/tmp/kc-$(echo .gpu/fp4moe | md5sum | cut -c1-8)"
   # A hung test (a kernel that never returns) must not eat the whole call.
-  for t in .gpu/tests/*; do n=$(basename "${t%-*}"); timeout "${AB_TEST_TIMEOUT:-420}" "$t" --test-threads=1 --nocapture > "$R/test-$n.txt" 2>&1 & done
+  # AB_TEST_FILTER: name filters for cuda_device (the long one); the other executables run whole.
+  for t in .gpu/tests/*; do
+    n=$(basename "${t%-*}"); f=()
+    [ "$n" = cuda_device ] && [ -n "${AB_TEST_FILTER:-}" ] && read -r -a f <<< "$AB_TEST_FILTER"
+    timeout "${AB_TEST_TIMEOUT:-420}" "$t" ${f[@]+"${f[@]}"} --test-threads=1 --nocapture > "$R/test-$n.txt" 2>&1 &
+  done
   wait
   unset FP4MOE_CACHE_DIR
   echo "tests done at $(el) s" >> "$R/progress.txt"
@@ -57,9 +63,12 @@ fi
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   for v in $variants; do
     for preset in ${AB_PRESETS:-nemotron3-nano qwen3-30b-a3b}; do
-      [ "$(el)" -gt "$deadline" ] && break 3
-      run_variant "$v" bench --preset "$preset" --tokens "${AB_TOKENS:-1,8,64,256,1024,4096,16384}" \
-        --backend cuda --json "$R/ab-${v%%=*}-$preset-r$r.json" > "$R/ab-${v%%=*}-$preset-r$r.txt" 2>&1
+      for mode in ${AB_MODES:-w4a16}; do
+        [ "$(el)" -gt "$deadline" ] && break 4
+        tag="${v%%=*}-$preset$([ "$mode" = w4a16 ] || echo "-$mode")-r$r"
+        run_variant "$v" bench --preset "$preset" --mode "$mode" --tokens "${AB_TOKENS:-1,8,64,256,1024,4096,16384}" \
+          --backend cuda --json "$R/ab-$tag.json" > "$R/ab-$tag.txt" 2>&1
+      done
     done
   done
   echo "A/B round $r done at $(el) s" >> "$R/progress.txt"

@@ -20,8 +20,8 @@
 // Grid: G blocks of OT_TEAMS_* teams of STREAM_WARPS warps, all resident at once (the
 // host sizes G from the occupancy it queried, and launches it without programmatic
 // serialization, after the previous work on the stream), which the grid barriers need.
-//   0. Router mode: logits e of the token over the blocks (router_logits_block, one per eight
-//      warps of a virtual block); every block prepares the token's GEMM1 operand row in shared memory. Barrier.
+//   0. Router mode: logit e of the token by block e mod G (router_logits_block, one group of
+//      eight warps); every block prepares the token's GEMM1 operand row in shared memory. Barrier.
 //   1. Every block runs top-k and the grouping from the same logits (same code: all agree) into
 //      shared memory; block 0 writes ids, weights and the grouping out. GEMM1's virtual blocks
 //      v = (slot, x) of the streaming grid (x-fastest), block b taking v = b + G·i, i < vbpb1,
@@ -60,9 +60,9 @@
 // Commit groups one thread may wait on (cp_async_wait_upto): virtual blocks per team.
 #define OT_MAX_GROUPS 8
 // Phase timestamps a traced launch records per block: entry, logits and operand row done,
-// barrier 1 passed, routing done and GEMM1's copies issued, GEMM1 computed, GEMM2's copies
-// issued, barrier 2 passed and GEMM2's operand staged, exit.
-#define OT_TRACE_POINTS 8
+// barrier 1 passed, top-k and grouping done, GEMM1's copies issued, GEMM1 computed, GEMM2's
+// copies issued, barrier 2 passed and GEMM2's operand staged, exit.
+#define OT_TRACE_POINTS 9
 
 // The layout matches the host's `OneTokenParams`.
 struct OneTokenParams {
@@ -75,13 +75,13 @@ struct OneTokenParams {
     int* ids;              // [k]
     float* weights;        // [k]
     float* y;              // [H]
-    unsigned* sync;        // [2 + column blocks]: arrivals, generation, combine tickets; 0 between launches
+    unsigned* sync;        // [OT_TICKETS + column blocks]: arrivals, generation, combine tickets; 0 between launches
     int experts, top_k, scoring, n_group, topk_group, renormalize;
     float rsf, gs;         // gs: W4A4 input global scale (0: W4A16)
     int rb1, rb2;          // row groups per virtual block of GEMM1 / GEMM2 (their K split)
     int vbpb1, vbpb2;      // virtual blocks per block (ceil(total / G))
     int smem_act, smem_red, smem_w;
-    int prefetch;          // GEMM2's weights prefetched into L2 during GEMM1
+    int prefetch;          // GEMM2's weights into L2 during GEMM1: 0 no, 1 early, 2 late (prefetch_l2)
     unsigned long long* trace;  // null, or [G][OT_TRACE_POINTS] %globaltimer ns per block (diagnostic)
 };
 
@@ -107,20 +107,24 @@ __device__ __forceinline__ void trace_point(unsigned long long* trace, int i) {
 }
 
 // Grid barrier in two halves (sense reversal: the last block to arrive resets the count and
-// bumps the generation the others wait for), so a block can start copies between them. The
-// block barrier before thread 0's fence publishes the block's writes (as cooperative groups'
-// grid sync does); thread 0's fence after the wait makes the other blocks' visible. Returns
-// the generation to wait on (thread 0's).
+// publishes the next generation the others wait for), so a block can start copies between
+// them. The count (sync[OT_COUNT]) and the generation (sync[OT_GEN]) sit 128 bytes apart, so
+// the waiters' polls do not share a line with the arrivals' atomics. The block barrier before
+// thread 0's fence publishes the block's writes (as cooperative groups' grid sync does); the
+// acquire after the wait makes the other blocks' visible. Returns the generation to wait on
+// (thread 0's).
+#define OT_COUNT 0
+#define OT_GEN 32
+#define OT_TICKETS 64  // combine tickets, one per GEMM2 column block
 __device__ __forceinline__ unsigned grid_arrive(unsigned* sync) {
     __syncthreads();
     unsigned gen = 0;
     if (threadIdx.x == 0) {
-        gen = ld_acquire(sync + 1);
+        gen = ld_acquire(sync + OT_GEN);
         __threadfence();
-        if (atomicAdd(sync, 1u) == gridDim.x - 1) {
-            atomicExch(sync, 0u);
-            __threadfence();
-            atomicAdd(sync + 1, 1u);
+        if (atomicAdd(sync + OT_COUNT, 1u) == gridDim.x - 1) {
+            sync[OT_COUNT] = 0;  // ordered before the release below: the next barrier counts from 0
+            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync + OT_GEN), "r"(gen + 1) : "memory");
         }
     }
     return gen;
@@ -128,9 +132,8 @@ __device__ __forceinline__ unsigned grid_arrive(unsigned* sync) {
 __device__ __forceinline__ void grid_wait(const unsigned* sync, unsigned gen) {
     if (threadIdx.x == 0) {
         const unsigned long long t0 = global_ns();
-        while (ld_acquire(sync + 1) == gen)
+        while (ld_acquire(sync + OT_GEN) == gen)
             if (global_ns() - t0 > OT_BARRIER_TIMEOUT_NS) __trap();
-        __threadfence();
     }
     __syncthreads();
 }
@@ -219,9 +222,12 @@ __device__ __forceinline__ int issue_copies(const GemmParams& p, int rb, int vbp
 #endif
 }
 
-// GEMM2's weight rows of this block's virtual blocks into L2 (a hint: their cp.async copies
-// after GEMM1 then hit L2 instead of DRAM, and both GEMMs' bytes are requested at once).
-__device__ __forceinline__ void prefetch_l2(const GemmParams& p, int rb, int vbpb, int slots, const int* s_active) {
+// GEMM2's weight rows of this block's virtual blocks into L2 by threads tid < nthreads (a hint:
+// their copies after GEMM1 then hit L2 instead of DRAM). `prefetch` 1: issued with GEMM1's
+// copies (both GEMMs' bytes requested at once: slower, runs 83–85); 2: once the block's last
+// GEMM1 virtual block has landed (DRAM otherwise idles while the block computes).
+__device__ __forceinline__ void prefetch_l2(const GemmParams& p, int rb, int vbpb, int slots, const int* s_active,
+                                            int tid, int nthreads) {
     const int kg = p.kg, nvx = (p.rg_out + rb - 1) / rb, total = nvx * slots;
     for (int i = 0; i < vbpb; i++) {
         const int v = blockIdx.x + gridDim.x * i;
@@ -233,14 +239,14 @@ __device__ __forceinline__ void prefetch_l2(const GemmParams& p, int rb, int vbp
         const u8* s = p.wscales + wr * kg * 64;
 #if OT_BULK
         // One thread, one bulk prefetch per span (a line per thread cost ~2 µs of issue, run 84).
-        if (threadIdx.x == 32) {
+        if (tid == 0) {
             bulk_prefetch_l2(d, (u32)(rows * kg * 512));
             bulk_prefetch_l2(s, (u32)(rows * kg * 64));
         }
 #else
-        for (size_t o = threadIdx.x * 128; o < rows * kg * 512; o += blockDim.x * 128)
+        for (size_t o = tid * 128; o < rows * kg * 512; o += nthreads * 128)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(d + o));
-        for (size_t o = threadIdx.x * 128; o < rows * kg * 64; o += blockDim.x * 128)
+        for (size_t o = tid * 128; o < rows * kg * 64; o += nthreads * 128)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(s + o));
 #endif
     }
@@ -278,6 +284,9 @@ __device__ __forceinline__ void compute_units(const OneTokenParams& tp, const Ge
         cp_async_wait_upto(groups - 1 - done);
         __syncwarp();
 #endif
+        if (STAGE == 1 && tp.prefetch == 2 && (i == vbpb - 1 || blockIdx.x + gridDim.x * (i + 1) >= total))
+            prefetch_l2(tp.g2, tp.rb2, tp.vbpb2, slots, s_active, threadIdx.x & (STREAM_WARPS * 32 - 1),
+                        STREAM_WARPS * 32);
         if (active_warp) {
             const u8* sd = sw + i * region;
             const u8* wd0 = sd + (size_t)(rgl * U) * kg * 512 + lane * 16;
@@ -300,9 +309,9 @@ __device__ __forceinline__ void compute_units(const OneTokenParams& tp, const Ge
             const int hid = p.rg_out * 16, r0 = b.x * rb * 16, r1 = min(r0 + rb * 16, hid);
             team_sync(team);
             if (hw == 0 && lane == 0) {
-                const int last = atomicAdd(tp.sync + 2 + b.x, 1u) == (unsigned)(slots - 1);
+                const int last = atomicAdd(tp.sync + OT_TICKETS + b.x, 1u) == (unsigned)(slots - 1);
                 if (last) {
-                    tp.sync[2 + b.x] = 0;  // every slot has drawn: ready for the next launch
+                    tp.sync[OT_TICKETS + b.x] = 0;  // every slot has drawn: ready for the next launch
                     __threadfence();       // acquire: the other slots' rows are read after their tickets
                 }
                 s_flag[team] = last;
@@ -348,12 +357,13 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
 #endif
 
     // 0. Logits (router mode) and the token's GEMM1 operand row, zero over the k padding.
+    // One logit per block at a time (router_logits_block with one group: route_small's
+    // arithmetic): each block reads one router row at its SM's pace, where four logits per block
+    // kept the slowest blocks 2 µs longer (run 85's trace).
     if (p.router) {
-        const int per = (blockDim.x >> 5) / router_slices(experts);
-        const int nvb = (experts + per - 1) / per;
-        for (int v = blockIdx.x; v < nvb; v += gridDim.x) {
-            router_logits_block(p.x, p.router, p.logits, experts, experts, hidden, part, v);
-            __syncthreads();  // `part` is rewritten by the next virtual block
+        for (int e = blockIdx.x; e < experts; e += gridDim.x) {
+            router_logits_block(p.x, p.router, p.logits, experts, experts, hidden, part, e, 1);
+            __syncthreads();  // `part` is rewritten by the next logit
         }
     }
     prepare_row(p.x, sact, nullptr, hidden, p.gs, threadIdx.x, blockDim.x);
@@ -369,6 +379,7 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
         sort_pairs_warp(s_ids, k, experts, s_offsets, s_sorted, s_active, s_num);
     }
     __syncthreads();
+    trace_point(p.trace, 3);
     const int slots = *s_num;
     if (blockIdx.x == 0) {
         // The routing and grouping outputs of the split path (the workspace's buffers).
@@ -384,8 +395,8 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
     }
     // Top-k's scratch in sw is free (the __syncthreads above): the copies may land there.
     const int groups1 = issue_copies<GATED>(p.g1, p.rb1, p.vbpb1, slots, s_active, sw, bars);
-    if (p.prefetch) prefetch_l2(p.g2, p.rb2, p.vbpb2, slots, s_active);
-    trace_point(p.trace, 3);
+    if (p.prefetch == 1) prefetch_l2(p.g2, p.rb2, p.vbpb2, slots, s_active, threadIdx.x, blockDim.x);
+    trace_point(p.trace, 4);
     // GEMM2's operand rows are read by sorted position, where store_gemm2 finds the pair.
     GemmParams g2 = p.g2;
     g2.sorted = s_sorted;
@@ -394,11 +405,11 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
     compute_units<1, GATED>(p, p.g1, p.rb1, p.vbpb1, slots, groups1, s_active, s_offsets, sact, stride1, red, sw,
                             s_flag, bars);
     __syncthreads();  // every region read: GEMM2's copies may overwrite them
-    trace_point(p.trace, 4);
+    trace_point(p.trace, 5);
     // GEMM1's g rows are published at the arrival; GEMM2's weight copies run during the wait.
     const unsigned gen = grid_arrive(p.sync);
     const int groups2 = issue_copies<false>(g2, p.rb2, p.vbpb2, slots, s_active, sw, bars + 32);
-    trace_point(p.trace, 5);
+    trace_point(p.trace, 6);
     grid_wait(p.sync, gen);
 
     // 2. GEMM2's operand: the k pairs' g rows (sorted order), zero over the k padding.
@@ -412,12 +423,12 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
         }
     }
     __syncthreads();
-    trace_point(p.trace, 6);
+    trace_point(p.trace, 7);
     compute_units<2, false>(p, g2, p.rb2, p.vbpb2, slots, groups2, s_active, s_offsets, sact, stride2, red, sw,
                             s_flag, bars + 32);
     cp_async_wait<0>();
     __syncthreads();
-    trace_point(p.trace, 7);
+    trace_point(p.trace, 8);
 }
 
 // The host launches OT_TEAMS_* · STREAM_WARPS · 32 threads.

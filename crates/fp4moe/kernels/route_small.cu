@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) route_small(const RouteSma
     const int w = threadIdx.x >> 5;
     if (p.mode == ROUTE_FROM_ROUTER) {
         // 32 warps, a logit per router_slices(T·E) of them (routing.cuh), as router_logits does.
-        router_logits_block(p.x, p.router, p.logits, tokens * experts, experts, p.hidden, smem, blockIdx.x);
+        router_logits_block(p.x, p.router, p.logits, tokens * experts, experts, p.hidden, smem, blockIdx.x, 32);
         // Release: this block's logits reach L2 before its ticket is taken.
         __threadfence();
         __syncthreads();

@@ -55,7 +55,7 @@ extern "C" __global__ void __launch_bounds__(RL_WARPS * 32)
     router_logits(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ logits, int tokens,
                   int hidden, int experts) {
     __shared__ float part[RL_WARPS];
-    router_logits_block(x, w, logits, tokens * experts, experts, hidden, part, blockIdx.x);
+    router_logits_block(x, w, logits, tokens * experts, experts, hidden, part, blockIdx.x, RL_WARPS);
 }
 
 // The same logits for many tokens: 64 tokens x 64 experts per 256-thread block, each thread

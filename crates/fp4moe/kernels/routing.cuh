@@ -52,15 +52,17 @@ __device__ __forceinline__ float router_logit_slice(const float* x, const float*
     return warp_sum(acc);
 }
 
-// Block `vblock`'s logits of `count` (route_small: blockIdx.x; one_token.cu loops over several):
-// groups of router_slices(count) warps, group gi computing logit vblock · groups + gi (when below
-// count), slice sums through `part` (one float per warp of shared memory), the group's first
-// warp adding them in order. Every thread of the block must call it (one __syncthreads).
+// Block `vblock`'s logits of `count` (route_small, routing.cu: blockIdx.x; one_token.cu loops
+// over several): up to `max_groups` groups of router_slices(count) warps (as many as the block
+// holds), group gi computing logit vblock · groups + gi (when below count), slice sums through
+// `part` (one float per warp of shared memory), the group's first warp adding them in order.
+// Every thread of the block must call it (one __syncthreads).
 __device__ __forceinline__ void router_logits_block(const float* x, const float* w, float* logits, int count,
-                                                    int experts, int hidden, float* part, int vblock) {
-    const int slices = router_slices(count), groups = (blockDim.x >> 5) / slices;
+                                                    int experts, int hidden, float* part, int vblock,
+                                                    int max_groups) {
+    const int slices = router_slices(count), groups = min((int)(blockDim.x >> 5) / slices, max_groups);
     const int warp = threadIdx.x >> 5, gi = warp / slices, s = warp % slices;
-    const int logit = vblock * groups + gi;
+    const int logit = gi < groups ? vblock * groups + gi : count;
     if (logit < count) {
         float v = router_logit_slice(x, w, logit / experts, logit % experts, hidden, s, slices);
         if ((threadIdx.x & 31) == 0) part[warp] = v;

@@ -574,7 +574,8 @@ fn fused_routing_matches_split_bitwise() {
 /// bitwise (output, ids, weights, logits, grouping), from the router weight and from caller
 /// logits; launched twice (its barrier counters and combine tickets must be back at 0) and
 /// replayed from a CUDA graph with a new token; against the reference backend. Shapes:
-/// Nemotron-3 Nano's with each streaming K split (1, 2, 4 units per block), Qwen3-30B-A3B's,
+/// Nemotron-3 Nano's with the streaming K splits of 1 and 2 units per block (4 on a smaller
+/// layer), Qwen3-30B-A3B's,
 /// GELU at I = 928 / H = 2880 (K splits unevenly, not multiples of 128), 512 experts top-8
 /// (logits over more virtual blocks than blocks), top-1, grouped sigmoid selection.
 #[test]
@@ -591,12 +592,17 @@ fn one_token_layer_matches_the_split_path_bitwise() {
         cases.push((spec(2048, 768, 128, 8, Activation::Silu, quant), None));
         cases.push((spec(2880, 928, 64, 4, Activation::GeluTanh, quant), None));
     }
-    for units in [1, 2, 4] {
+    for units in [1, 2] {
         cases.push((
             spec(2688, 1856, 128, 6, Activation::Relu2NoMul, QuantMode::W4A16),
             Some(units),
         ));
     }
+    // Four units per virtual block (Nemotron's would not fit one block's shared memory).
+    cases.push((
+        spec(1024, 512, 64, 6, Activation::Relu2NoMul, QuantMode::W4A16),
+        Some(4),
+    ));
     cases.push((spec(1024, 512, 512, 8, Activation::Silu, W4A4), None));
     cases.push((
         spec(1024, 384, 32, 1, Activation::Relu2NoMul, QuantMode::W4A16),

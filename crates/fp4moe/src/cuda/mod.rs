@@ -421,7 +421,7 @@ pub struct CudaWorkspace {
     chunk_counts: CudaSlice<i32>,
     /// `route_small`'s block ticket counter: 0 between launches (the last block resets it).
     route_ticket: CudaSlice<i32>,
-    /// `one_token`'s grid-barrier counters and combine tickets (`2 + H/16`): 0 between launches.
+    /// `one_token`'s grid-barrier counters and combine tickets (`64 + H/16`): 0 between launches.
     one_token_sync: CudaSlice<i32>,
     /// `one_token`'s phase timestamps when `FP4MOE_ONE_TOKEN_TRACE=1` (a diagnostic, left out
     /// of [`CudaLayer::workspace_bytes`]); one element otherwise.
@@ -1575,7 +1575,7 @@ impl CudaLayer {
             + p.div_ceil(SORT_CHUNK) * e
             + 1
             + 2
-            + 2
+            + one_token::SYNC_TICKETS
             + h / 16
             + tokens
             + p * h
@@ -1637,7 +1637,7 @@ impl CudaLayer {
             sorted: i32s(p)?,
             chunk_counts: i32s(p.div_ceil(SORT_CHUNK) * e)?,
             route_ticket: i32s(1)?,
-            one_token_sync: i32s(2 + h / 16)?,
+            one_token_sync: i32s(one_token::SYNC_TICKETS + h / 16)?,
             one_token_trace: st
                 .alloc_zeros::<u64>(one_token::trace_len(self.dev.sms).max(1))
                 .map_err(driver_err("workspace allocation"))?,

@@ -36,13 +36,17 @@ pub(super) const fn teams(gated: bool) -> usize {
 pub(super) const OT_HDR_BYTES: usize = 3248;
 /// Most virtual blocks a half waits on (`OT_MAX_GROUPS`, cp.async commit groups).
 pub(super) const OT_MAX_GROUPS: usize = 8;
+/// Where the combine tickets start in the barrier buffer (`OT_TICKETS`; the count and the
+/// generation sit at 0 and 32, a line apart).
+pub(super) const SYNC_TICKETS: usize = 64;
 /// Timestamps a traced launch records per block (`OT_TRACE_POINTS`), and their names.
-pub(super) const OT_TRACE_POINTS: usize = 8;
+pub(super) const OT_TRACE_POINTS: usize = 9;
 const TRACE_NAMES: [&str; OT_TRACE_POINTS] = [
     "entry",
     "logits + operand row",
     "barrier 1",
-    "routing, GEMM1 copies issued",
+    "top-k + grouping",
+    "GEMM1 copies issued",
     "GEMM1 computed",
     "GEMM2 copies issued",
     "barrier 2, GEMM2 operand",
@@ -170,16 +174,17 @@ fn from_env() -> Option<bool> {
     tuning_choice(&KNOB, "FP4MOE_ONE_TOKEN", &[("0", false), ("1", true)])
 }
 
-/// `FP4MOE_ONE_TOKEN_PREFETCH=0` leaves GEMM2's weights out of L2 until their copies (a
-/// benchmark knob).
-fn prefetch_from_env() -> bool {
+/// `FP4MOE_ONE_TOKEN_PREFETCH=1|2` prefetches GEMM2's weights into L2 with GEMM1's copies (1)
+/// or once a block's GEMM1 weights have landed (2); default 0, none (a benchmark knob: 1 was
+/// slower in runs 83–85).
+fn prefetch_from_env() -> i32 {
     static KNOB: OnceLock<Option<String>> = OnceLock::new();
     tuning_choice(
         &KNOB,
         "FP4MOE_ONE_TOKEN_PREFETCH",
-        &[("0", false), ("1", true)],
+        &[("0", 0), ("1", 1), ("2", 2)],
     )
-    .unwrap_or(true)
+    .unwrap_or(0)
 }
 
 impl CudaLayer {
@@ -309,7 +314,7 @@ impl CudaLayer {
             smem_act: shape.smem_act as i32,
             smem_red: shape.smem_red as i32,
             smem_w: shape.smem_w as i32,
-            prefetch: i32::from(prefetch_from_env()),
+            prefetch: prefetch_from_env(),
             trace: if tracing() {
                 ptr(&ws.one_token_trace, st)
             } else {
