@@ -7,7 +7,8 @@
 //!               (shared expert: gemm1 → gemm2) → combine → y [T, H]
 //! ```
 //! Small batches ([`RoutePath`]) run the first four stages as one launch, `route_small`, on the
-//! same device code (bitwise the same results). The shared expert's grouping (every token once,
+//! same device code (bitwise the same results); one token of a non-gated layer runs the whole
+//! layer as one launch (`one_token.cu`, bitwise the same results again). The shared expert's grouping (every token once,
 //! weight 1) is written once per workspace. No float atomics anywhere: results are bitwise
 //! reproducible from run to run.
 //!
