@@ -453,6 +453,50 @@ fn forward_from(
     ]
 }
 
+/// Runs `source` once with the layer as `baseline` configures it and twice as `candidate` does,
+/// each run in a fresh workspace from `fresh`, and asserts that the candidate's grouping, output,
+/// ids and weights (and device logits, when routing from the router weight) equal the
+/// baseline's bit for bit and repeat on the second launch (its counters must be back at 0).
+/// Returns the candidate's results (`forward_from`'s order).
+#[allow(clippy::too_many_arguments)]
+fn assert_same_bits(
+    layer: &mut CudaLayer,
+    fresh: &dyn Fn(&CudaLayer) -> CudaWorkspace,
+    source: Source,
+    logits: &cudarc::driver::CudaSlice<f32>,
+    topk: &fp4moe::routing::TopK,
+    baseline: &dyn Fn(&mut CudaLayer),
+    candidate: &dyn Fn(&mut CudaLayer),
+    what: &str,
+) -> [Vec<u32>; 4] {
+    let st = layer.stream().clone();
+    baseline(layer);
+    let mut ws = fresh(layer);
+    let base = forward_from(layer, &mut ws, source, logits, topk);
+    let base_grouping = ws.grouping(&st).unwrap();
+    candidate(layer);
+    let mut ws = fresh(layer);
+    let cand = forward_from(layer, &mut ws, source, logits, topk);
+    assert_eq!(
+        ws.grouping(&st).unwrap(),
+        base_grouping,
+        "{what} {source:?}: grouping differs"
+    );
+    let again = forward_from(layer, &mut ws, source, logits, topk);
+    let names = ["output", "ids", "weights", "logits"];
+    // Logits are only computed on the device from the router weight.
+    let compared = if let Source::Router = source { 4 } else { 3 };
+    for j in 0..compared {
+        assert!(cand[j] == base[j], "{what} {source:?}: {} differ", names[j]);
+        assert!(
+            again[j] == cand[j],
+            "{what} {source:?}: second launch {} differ",
+            names[j]
+        );
+    }
+    cand
+}
+
 /// `route_small` (fused) against the split kernels on one layer and batch, from each routing
 /// source: outputs, ids, weights (and device logits) bitwise equal, and the output against the
 /// reference backend.
@@ -487,35 +531,17 @@ fn check_fused(spec: MoeSpec, tokens: usize, seed: u64) {
     };
     let dl = st.clone_htod(&logits).unwrap();
     for source in [Source::Router, Source::Logits, Source::Ids] {
-        layer.set_route_path(Some(RoutePath::Split));
-        let mut ws = fresh(&layer);
-        let split = forward_from(&layer, &mut ws, source, &dl, &topk);
-        let split_grouping = ws.grouping(&st).unwrap();
-        layer.set_route_path(Some(RoutePath::Fused));
-        let mut ws = fresh(&layer);
-        let fused = forward_from(&layer, &mut ws, source, &dl, &topk);
-        assert_eq!(
-            ws.grouping(&st).unwrap(),
-            split_grouping,
-            "{source:?} T{tokens}: fused grouping differs from split"
+        // Twice fused: the block ticket counter must be back at 0 after a launch.
+        let fused = assert_same_bits(
+            &mut layer,
+            &fresh,
+            source,
+            &dl,
+            &topk,
+            &|l| l.set_route_path(Some(RoutePath::Split)),
+            &|l| l.set_route_path(Some(RoutePath::Fused)),
+            &format!("fused vs split T{tokens}"),
         );
-        // Twice: the block ticket counter must be back at 0 after a launch.
-        let again = forward_from(&layer, &mut ws, source, &dl, &topk);
-        let what = ["output", "ids", "weights", "logits"];
-        // Logits are only computed on the device from the router weight.
-        let compared = if let Source::Router = source { 4 } else { 3 };
-        for j in 0..compared {
-            assert!(
-                fused[j] == split[j],
-                "{source:?} T{tokens}: fused {} differ from split",
-                what[j]
-            );
-            assert!(
-                again[j] == fused[j],
-                "{source:?} T{tokens}: second fused launch {} differ",
-                what[j]
-            );
-        }
         let out: Vec<f32> = fused[0].iter().map(|&b| f32::from_bits(b)).collect();
         assert!(out.iter().all(|v| v.is_finite()), "non-finite output");
         // The reference routes from the logits the device used.
@@ -650,34 +676,19 @@ fn one_token_layer_matches_the_split_path_bitwise() {
             "{what}: the one-launch layer does not apply"
         );
         for source in [Source::Router, Source::Logits] {
-            layer.set_one_token(Some(false));
-            assert!(!layer.one_token_applies(1));
-            let mut ws = fresh(&layer, &x);
-            let split = forward_from(&layer, &mut ws, source, &dl, &topk);
-            let split_grouping = ws.grouping(&st).unwrap();
-            layer.set_one_token(Some(true));
-            let mut ws = fresh(&layer, &x);
-            let one = forward_from(&layer, &mut ws, source, &dl, &topk);
-            assert_eq!(
-                ws.grouping(&st).unwrap(),
-                split_grouping,
-                "{what} {source:?}: grouping differs from the split path's"
+            let one = assert_same_bits(
+                &mut layer,
+                &|l: &CudaLayer| fresh(l, &x),
+                source,
+                &dl,
+                &topk,
+                &|l| {
+                    l.set_one_token(Some(false));
+                    assert!(!l.one_token_applies(1));
+                },
+                &|l| l.set_one_token(Some(true)),
+                &format!("one launch vs split, {what}"),
             );
-            let again = forward_from(&layer, &mut ws, source, &dl, &topk);
-            let names = ["output", "ids", "weights", "logits"];
-            let compared = if let Source::Router = source { 4 } else { 3 };
-            for j in 0..compared {
-                assert!(
-                    one[j] == split[j],
-                    "{what} {source:?}: {} differ from the split path's",
-                    names[j]
-                );
-                assert!(
-                    again[j] == one[j],
-                    "{what} {source:?}: second launch {} differ",
-                    names[j]
-                );
-            }
             let out: Vec<f32> = one[0].iter().map(|&b| f32::from_bits(b)).collect();
             assert!(
                 out.iter().all(|v| v.is_finite()),
@@ -705,16 +716,7 @@ fn one_token_layer_matches_the_split_path_bitwise() {
         };
         let (y1, y2) = (eager(&x), eager(&x2));
         let mut ws = fresh(&layer, &x);
-        st.synchronize().unwrap();
-        st.begin_capture(
-            cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )
-        .unwrap();
-        layer.forward_device(&mut ws, None).unwrap();
-        let graph = st
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-            .unwrap()
-            .expect("captured graph");
+        let graph = capture_forward(&layer, &mut ws);
         for (xi, yi) in [(&x, &y1), (&x2, &y2), (&x, &y1)] {
             st.memcpy_htod(xi, &mut ws.x).unwrap();
             graph.launch().unwrap();
@@ -1172,6 +1174,19 @@ fn router_logits_bf16_keep_every_bit_of_x() {
     }
 }
 
+/// A CUDA graph of `layer.forward_device(ws, None)` (routing from the router weight), captured
+/// after the stream's earlier work has finished.
+fn capture_forward(layer: &CudaLayer, ws: &mut CudaWorkspace) -> cudarc::driver::CudaGraph {
+    let st = layer.stream().clone();
+    st.synchronize().unwrap();
+    st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    layer.forward_device(ws, None).unwrap();
+    st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph")
+}
+
 #[test]
 fn graph_capture_replays_the_layer() {
     if !common::gpu_available() {
@@ -1208,14 +1223,7 @@ fn graph_capture(path: GemmPath, route: RoutePath) {
     let y2 = eager(&mut ws, &x2);
 
     st.memcpy_htod(&x1, &mut ws.x).unwrap();
-    st.synchronize().unwrap();
-    st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .unwrap();
-    layer.forward_device(&mut ws, None).unwrap();
-    let graph = st
-        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-        .unwrap()
-        .expect("captured graph");
+    let graph = capture_forward(&layer, &mut ws);
     graph.launch().unwrap();
     assert_eq!(st.clone_dtoh(&ws.out).unwrap(), y1);
     // New input in the same buffer: the replay computes the new routing and output.

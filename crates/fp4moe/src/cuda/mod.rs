@@ -273,16 +273,26 @@ impl Grouping {
     }
 }
 
-/// Parameters of `route_small.cu`; the layout matches `struct RouteSmallParams` there.
+/// The routing's inputs and outputs as `route_small.cu` and `one_token.cu` list them (six
+/// consecutive pointers in both kernels' parameter structs): the tokens, the router weight (0
+/// unless logits are computed), the logits (computed into the workspace, or the caller's), the
+/// selection bias (0 for none), and the ids and weights written.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-struct RouteSmallParams {
+struct RouteIo {
     x: u64,
     router: u64,
     logits: u64,
     bias: u64,
     ids: u64,
     weights: u64,
+}
+
+/// Parameters of `route_small.cu`; the layout matches `struct RouteSmallParams` there.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct RouteSmallParams {
+    io: RouteIo,
     offsets: u64,
     sorted: u64,
     active: u64,
@@ -293,15 +303,24 @@ struct RouteSmallParams {
     mode: i32,
     tokens: i32,
     hidden: i32,
+    select: Selection,
+    topk_warps: i32,
+    rsf: f32,
+    gs: f32,
+}
+
+/// The expert selection rule as `route_small.cu` and `one_token.cu` list it (six consecutive
+/// ints in both kernels' parameter structs).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct Selection {
     experts: i32,
     top_k: i32,
+    /// 0 softmax, 1 sigmoid.
     scoring: i32,
     n_group: i32,
     topk_group: i32,
     renormalize: i32,
-    topk_warps: i32,
-    rsf: f32,
-    gs: f32,
 }
 
 // SAFETY: `RouteSmallParams` is `repr(C)`, plain old data, and mirrors the kernel's parameter
@@ -2438,6 +2457,37 @@ impl CudaLayer {
         })
     }
 
+    /// The layer's selection rule for the routing kernels.
+    fn selection(&self) -> Selection {
+        let r = &self.spec.routing;
+        Selection {
+            experts: self.spec.shape.experts as i32,
+            top_k: r.top_k as i32,
+            scoring: i32::from(r.scoring == Scoring::Sigmoid),
+            n_group: r.n_group as i32,
+            topk_group: r.topk_group as i32,
+            renormalize: i32::from(r.renormalize),
+        }
+    }
+
+    /// The routing's pointers over `ws` for `source`.
+    fn route_io(&self, ws: &CudaWorkspace, source: RouteSource) -> Result<RouteIo> {
+        let st = &self.dev.stream;
+        let (router, logits) = match source {
+            RouteSource::Router => (ptr(self.router_weight()?, st), ptr(&ws.logits, st)),
+            RouteSource::Logits(l) => (0u64, ptr(l, st)),
+            RouteSource::Ids => (0u64, 0u64),
+        };
+        Ok(RouteIo {
+            x: ptr(&ws.x, st),
+            router,
+            logits,
+            bias: self.bias.as_ref().map_or(0u64, |b| ptr(b, st)),
+            ids: ptr(&ws.ids, st),
+            weights: ptr(&ws.weights, st),
+        })
+    }
+
     /// Fused path (`route_small.cu`, one launch): routing from `source`, then what
     /// [`CudaLayer::group_device`] does. The caller checked [`RoutePath::choose`]'s limits.
     fn route_small(&self, ws: &CudaWorkspace, source: RouteSource) -> Result<()> {
@@ -2445,21 +2495,8 @@ impl CudaLayer {
         let s = &self.spec;
         let r = s.routing;
         let (t, e) = (ws.tokens, s.shape.experts);
-        let (router, logits) = match source {
-            RouteSource::Router => {
-                let router = self.router_weight()?;
-                (ptr(router, st), ptr(&ws.logits, st))
-            }
-            RouteSource::Logits(l) => (0u64, ptr(l, st)),
-            RouteSource::Ids => (0u64, 0u64),
-        };
         let params = RouteSmallParams {
-            x: ptr(&ws.x, st),
-            router,
-            logits,
-            bias: self.bias.as_ref().map_or(0u64, |b| ptr(b, st)),
-            ids: ptr(&ws.ids, st),
-            weights: ptr(&ws.weights, st),
+            io: self.route_io(ws, source)?,
             a: ptr(&ws.a, st),
             xs: if self.shared.is_some() {
                 ptr(&ws.xs, st)
@@ -2470,12 +2507,7 @@ impl CudaLayer {
             mode: source.mode(),
             tokens: t as i32,
             hidden: s.shape.hidden as i32,
-            experts: e as i32,
-            top_k: r.top_k as i32,
-            scoring: i32::from(r.scoring == Scoring::Sigmoid),
-            n_group: r.n_group as i32,
-            topk_group: r.topk_group as i32,
-            renormalize: i32::from(r.renormalize),
+            select: self.selection(),
             topk_warps: route_topk_warps(t) as i32,
             rsf: r.routed_scaling_factor,
             gs: self.gs1.unwrap_or(0.0),

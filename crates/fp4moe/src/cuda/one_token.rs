@@ -15,11 +15,10 @@
 //! needs; turn it off where that happens.
 
 use super::{
-    ptr, tuning_choice, CudaLayer, CudaWorkspace, DecodeKernel, GemmParams, GemmPath, RoutePath,
-    RouteSource,
+    ptr, tuning_choice, CudaLayer, CudaWorkspace, DecodeKernel, GemmParams, GemmPath, RouteIo,
+    RoutePath, RouteSource, Selection,
 };
 use crate::error::Result;
-use crate::spec::Scoring;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::OnceLock;
 
@@ -75,20 +74,10 @@ fn tracing() -> bool {
 pub(super) struct OneTokenParams {
     g1: GemmParams,
     g2: GemmParams,
-    x: u64,
-    router: u64,
-    logits: u64,
-    bias: u64,
-    ids: u64,
-    weights: u64,
+    io: RouteIo,
     y: u64,
     sync: u64,
-    experts: i32,
-    top_k: i32,
-    scoring: i32,
-    n_group: i32,
-    topk_group: i32,
-    renormalize: i32,
+    select: Selection,
     rsf: f32,
     gs: f32,
     rb1: i32,
@@ -290,29 +279,14 @@ impl CudaLayer {
         };
         let st = &self.dev.stream;
         let r = self.spec.routing;
-        let (router, logits) = match source {
-            RouteSource::Router => (ptr(self.router_weight()?, st), ptr(&ws.logits, st)),
-            RouteSource::Logits(l) => (0u64, ptr(l, st)),
-            RouteSource::Ids => return Ok(false),
-        };
         let (g1, g2) = self.routed_params(ws);
         let params = OneTokenParams {
             g1,
             g2,
-            x: ptr(&ws.x, st),
-            router,
-            logits,
-            bias: self.bias.as_ref().map_or(0u64, |b| ptr(b, st)),
-            ids: ptr(&ws.ids, st),
-            weights: ptr(&ws.weights, st),
+            io: self.route_io(ws, source)?,
             y: ptr(&ws.out, st),
             sync: ptr(&ws.one_token_sync, st),
-            experts: g.experts as i32,
-            top_k: g.top_k as i32,
-            scoring: i32::from(r.scoring == Scoring::Sigmoid),
-            n_group: r.n_group as i32,
-            topk_group: r.topk_group as i32,
-            renormalize: i32::from(r.renormalize),
+            select: self.selection(),
             rsf: r.routed_scaling_factor,
             gs: self.gs1.unwrap_or(0.0),
             rb1: g.rb1 as i32,
