@@ -7,9 +7,10 @@
 // Why (KERNEL_NOTES, runs 34, 64, 75): at one token the split launch chain (route_small, two
 // streaming GEMMs, combine) took 38 µs for 8 µs of weight bytes: the launches alone 6.8 µs,
 // and each GEMM a latency chain over 0.66–0.95 of a wave that requests its weights only once
-// it runs. Here every block requests its GEMM1 weights (into shared memory) and its GEMM2
-// weights (into L2, a prefetch) as soon as the routing is known, and its GEMM2 copies into
-// shared memory while it waits at the second barrier, so both GEMMs' bytes stream at once.
+// it runs. Here every block requests its GEMM1 weights (into shared memory) as soon as the
+// routing is known, and its GEMM2 weights while it waits at the second barrier; GEMM2's
+// weights can also be prefetched into L2 during GEMM1 (`prefetch`, off by default: it competed
+// with GEMM1's bytes, runs 83–86).
 //
 // Every unit is computed by the streaming kernels' own per-warp code (expert_stream.cuh) with
 // the K split the host chose for them (rb1 / rb2 row groups per virtual block), so the bits are
@@ -25,9 +26,10 @@
 //   1. Every block runs top-k and the grouping from the same logits (same code: all agree) into
 //      shared memory; block 0 writes ids, weights and the grouping out. GEMM1's virtual blocks
 //      v = (slot, x) of the streaming grid (x-fastest), block b taking v = b + G·i, i < vbpb1,
-//      team i % teams computing them: all copies first (one commit group per virtual block), then
-//      GEMM2's weights of this block prefetched into L2, then the units as their groups land.
-//      Then GEMM2's copies into the freed shared memory. Barrier (GEMM1's g rows written).
+//      team i % teams computing them: all copies first (sm_90: bulk copies onto one mbarrier per
+//      virtual block; else one cp.async commit group per virtual block), then the units as their
+//      copies land. Then GEMM2's copies into the freed shared memory, between the arrival at and
+//      the wait for the barrier (GEMM1's g rows written).
 //   2. GEMM2's operand rows (k of them) staged; its virtual blocks as in 1; per column block
 //      x a ticket: the last of the k slots' virtual blocks to finish adds the pairs' rows into y.
 // The barrier counters and tickets (`sync`) are back at 0 after every launch (graph replays).
@@ -43,7 +45,8 @@
 #include "prepare_input.cuh"
 
 // Teams of STREAM_WARPS warps per block, each computing one virtual block at a time: as many as
-// the registers allow one block per SM (plain units fit 64 registers a thread, gated ones 85).
+// the registers allow one block per SM (plain units fit 64 registers a thread, 1024 threads;
+// gated ones need 80, 768 threads).
 #define OT_TEAMS_PLAIN 4
 #define OT_TEAMS_GATED 3
 // Header layout (ints).
@@ -86,8 +89,8 @@ struct OneTokenParams {
 };
 
 // A barrier wait longer than this means some block never became resident (another stream's
-// work holding SMs the host counted): the kernel traps, so the caller gets a launch error
-// instead of a hang. A legitimate wait is a few microseconds.
+// work holding SMs the host counted): the kernel traps, a sticky error that leaves the CUDA
+// context unusable, instead of hanging forever. A legitimate wait is a few microseconds.
 #define OT_BARRIER_TIMEOUT_NS 2000000000ull
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
@@ -123,6 +126,9 @@ __device__ __forceinline__ unsigned grid_arrive(unsigned* sync) {
         gen = ld_acquire(sync + OT_GEN);
         __threadfence();
         if (atomicAdd(sync + OT_COUNT, 1u) == gridDim.x - 1) {
+            // Acquire the other blocks' arrivals (their fence before their atomic), so the
+            // release below passes their writes on to every waiter.
+            __threadfence();
             sync[OT_COUNT] = 0;  // ordered before the release below: the next barrier counts from 0
             asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync + OT_GEN), "r"(gen + 1) : "memory");
         }
@@ -377,6 +383,9 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
         topk_token(p.logits, p.bias, s_ids, s_w, reinterpret_cast<float*>(sw), experts, k, p.scoring, p.n_group,
                    p.topk_group, p.renormalize, p.rsf);
         sort_pairs_warp(s_ids, k, experts, s_offsets, s_sorted, s_active, s_num);
+#if OT_BULK
+        fence_proxy_async();  // the top-k scratch in sw before the bulk copies overwrite it
+#endif
     }
     __syncthreads();
     trace_point(p.trace, 3);

@@ -651,6 +651,10 @@ fn one_token_layer_matches_the_split_path_bitwise() {
         let topk = cpu.route(&x, Some(&logits)).unwrap();
         let mut layer = CudaLayer::new(&s, &w).unwrap();
         layer.set_stream_units(units);
+        // One token's defaults, pinned against the benchmark knobs of the environment.
+        layer.set_route_path(Some(RoutePath::Fused));
+        layer.set_gemm_path(Some(GemmPath::Decode));
+        layer.set_decode_kernel(Some(DecodeKernel::Stream));
         let st = layer.stream().clone();
         let dl = st.clone_htod(&logits).unwrap();
         let fresh = |layer: &CudaLayer, x: &[f32]| {

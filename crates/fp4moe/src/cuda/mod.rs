@@ -515,6 +515,9 @@ pub struct CudaLayer {
     stream_units: Option<usize>,
     /// Forced on or off: the one-token layer in one launch ([`CudaLayer::set_one_token`]).
     one_token: Option<bool>,
+    /// The one-token kernel's launch shape per pair of K splits (GEMM1's, GEMM2's units per
+    /// virtual block), `None` where it does not fit.
+    one_token_shapes: Mutex<Vec<one_token::CachedShape>>,
     /// Forwards stop after this many of [`STAGES`] (timing diagnostics).
     stage_limit: Option<usize>,
 }
@@ -1454,6 +1457,7 @@ impl CudaLayer {
             router_kernel: None,
             stream_units: None,
             one_token: None,
+            one_token_shapes: Mutex::new(Vec::new()),
             stage_limit: None,
         })
     }

@@ -8,11 +8,13 @@
 //! streaming kernels' own code and K split, so its bits are the split path's. `FP4MOE_ONE_TOKEN=0`
 //! or [`CudaLayer::set_one_token`] turns it off.
 //!
-//! Its blocks wait for one another, so they must all be resident at once: the grid is the
-//! blocks per SM the driver reports for its shared memory times the SMs, and it launches
+//! Its blocks wait for one another, so they must all be resident at once: the grid is one
+//! block per SM (the driver's occupancy for its shared memory is checked), and it launches
 //! without programmatic serialization, so it starts on an idle device once the work before it
 //! on the stream is done. Work submitted concurrently on other streams could hold SMs it
-//! needs; turn it off where that happens.
+//! needs: a barrier wait beyond 2 s traps (a sticky error: the CUDA context is lost) rather
+//! than hang; turn it off where that can happen. A cooperative launch would let the driver
+//! refuse such a launch instead (not done: not yet measured inside graph captures).
 
 use super::{
     ptr, tuning_choice, CudaLayer, CudaWorkspace, DecodeKernel, GemmParams, GemmPath, RouteIo,
@@ -52,11 +54,11 @@ const TRACE_NAMES: [&str; OT_TRACE_POINTS] = [
     "exit",
 ];
 
-/// Trace buffer length (u64) of a workspace: the most blocks a launch takes (two per SM) times
-/// the points, when `FP4MOE_ONE_TOKEN_TRACE=1`; else 0.
+/// Trace buffer length (u64) of a workspace: a launch's blocks (one per SM) times the points,
+/// when `FP4MOE_ONE_TOKEN_TRACE=1`; else 0.
 pub(super) fn trace_len(sms: usize) -> usize {
     if tracing() {
-        2 * sms * OT_TRACE_POINTS
+        sms * OT_TRACE_POINTS
     } else {
         0
     }
@@ -110,6 +112,10 @@ pub(super) struct OneTokenGemms {
     pub top_k: usize,
     pub experts: usize,
 }
+
+/// A launch shape found for a pair of K splits (GEMM1's, GEMM2's units per virtual block);
+/// `None`: the kernel does not fit.
+pub(super) type CachedShape = ((usize, usize), Option<OneTokenShape>);
 
 /// Grid and shared-memory layout of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,22 +256,45 @@ impl CudaLayer {
             top_k: k,
             experts: e,
         };
-        let f = self.dev.function(name).ok()?;
-        // Two blocks per SM where they fit (more warps to hide the units' latency), else one.
-        [2, 1].into_iter().find_map(|per_sm| {
-            let shape = OneTokenShape::new(&gemms, per_sm * self.dev.sms)?;
-            if shape.smem > self.dev.max_shared_bytes {
-                return None;
+        // The shape depends on the layer and the K splits only: found once per pair of splits
+        // (no occupancy query per forward). A poisoned cache is recomputed, never fatal.
+        let key = (rb1, rb2);
+        let cached = self
+            .one_token_shapes
+            .lock()
+            .ok()
+            .and_then(|c| c.iter().find(|(k, _)| *k == key).map(|(_, s)| *s));
+        let shape = match cached {
+            Some(shape) => shape,
+            None => {
+                let shape = self.one_token_shape(name, &gemms);
+                if let Ok(mut c) = self.one_token_shapes.lock() {
+                    c.push((key, shape));
+                }
+                shape
             }
-            let resident = f
-                .occupancy_max_active_blocks_per_multiprocessor(
-                    (teams(gated) * 256) as u32,
-                    shape.smem,
-                    None,
-                )
-                .ok()? as usize;
-            (resident >= per_sm).then_some((name, gemms, shape))
-        })
+        }?;
+        Some((name, gemms, shape))
+    }
+
+    /// One block per SM (the registers hold one: 1024 threads at 64 registers, gated 768 at 80),
+    /// where its shared memory fits and the driver confirms that an SM takes it.
+    fn one_token_shape(&self, name: &str, gemms: &OneTokenGemms) -> Option<OneTokenShape> {
+        let shape = OneTokenShape::new(gemms, self.dev.sms)?;
+        if shape.smem > self.dev.max_shared_bytes {
+            return None;
+        }
+        let resident = self
+            .dev
+            .function(name)
+            .ok()?
+            .occupancy_max_active_blocks_per_multiprocessor(
+                (teams(gemms.gated) * 256) as u32,
+                shape.smem,
+                None,
+            )
+            .ok()?;
+        (resident >= 1).then_some(shape)
     }
 
     /// Runs the whole one-token layer from `source` as one launch where it applies; `false`
@@ -365,6 +394,11 @@ mod tests {
     #[test]
     fn constants_and_parameters_match_the_kernel() {
         assert_eq!(kernel_define("one_token.cu", "OT_HDR_BYTES"), OT_HDR_BYTES);
+        assert_eq!(kernel_define("one_token.cu", "OT_TICKETS"), SYNC_TICKETS);
+        assert_eq!(
+            kernel_define("one_token.cu", "OT_TRACE_POINTS"),
+            OT_TRACE_POINTS
+        );
         assert_eq!(
             kernel_define("one_token.cu", "OT_MAX_GROUPS"),
             OT_MAX_GROUPS
