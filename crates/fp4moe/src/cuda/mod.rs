@@ -1344,12 +1344,27 @@ impl StreamShape {
     ) -> Option<Self> {
         let kg = pack::padded_k(k) / 64;
         let units = if gated { 2 } else { 1 };
-        let ksplit = STREAM_THREADS / 32 / rb;
-        let weights = rb * units * kg * (512 + 64);
-        let red = (ksplit - 1) * rb * 32 * 4 * units * 4;
-        let act = tokens.clamp(1, STREAM_TILE) * (kg * 64 + 8) * 2;
-        let smem = weights + red + act;
+        let smem = Self::weight_bytes(rb, units, kg)
+            + Self::partial_bytes(rb, units)
+            + tokens.clamp(1, STREAM_TILE) * Self::row_bytes(kg);
         (smem <= max_shared_bytes).then_some(StreamShape { rb, smem })
+    }
+
+    /// Shared bytes of `rb` row-group units of `units` projections each (gated: 2), whole K
+    /// (`kg` 64-wide k groups): data and scales as `expert_stream.cuh` lays them out.
+    pub(super) fn weight_bytes(rb: usize, units: usize, kg: usize) -> usize {
+        rb * units * kg * (512 + 64)
+    }
+
+    /// Shared bytes of the split-K partial sums of `rb` units (slices 1 .. KSPLIT − 1 park theirs).
+    pub(super) fn partial_bytes(rb: usize, units: usize) -> usize {
+        let ksplit = STREAM_THREADS / 32 / rb;
+        (ksplit - 1) * rb * 32 * 4 * units * 4
+    }
+
+    /// Shared bytes of one staged activation row (bf16, 8 elements of padding).
+    pub(super) fn row_bytes(kg: usize) -> usize {
+        (kg * 64 + 8) * 2
     }
 
     /// The shapes that fit, fewest units per block first.

@@ -18,7 +18,7 @@
 
 use super::{
     ptr, tuning_choice, CudaLayer, CudaWorkspace, DecodeKernel, GemmParams, GemmPath, RouteIo,
-    RoutePath, RouteSource, Selection,
+    RoutePath, RouteSource, Selection, StreamShape,
 };
 use crate::error::Result;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -32,6 +32,11 @@ pub(super) const fn teams(gated: bool) -> usize {
     } else {
         4
     }
+}
+
+/// Threads per block: the teams' eight warps each.
+const fn threads(gated: bool) -> usize {
+    teams(gated) * 8 * 32
 }
 /// Bytes of the kernel's shared header (`OT_HDR_BYTES`).
 pub(super) const OT_HDR_BYTES: usize = 3248;
@@ -141,12 +146,13 @@ impl OneTokenShape {
         if vbpb1.div_ceil(teams) > OT_MAX_GROUPS || vbpb2.div_ceil(teams) > OT_MAX_GROUPS {
             return None;
         }
-        let row = |kg: usize| (kg * 64 + 8) * 2;
-        let act = row(g.kg1).max(g.top_k * row(g.kg2)).next_multiple_of(16);
-        // Per team (STREAM_WARPS − 1) slots of 32 lanes x 4 f32 per unit.
-        let red = teams * 7 * 32 * 4 * u1 * 4;
-        let w1 = vbpb1 * g.rb1 * u1 * g.kg1 * 576;
-        let w2 = vbpb2 * g.rb2 * g.kg2 * 576;
+        let act = StreamShape::row_bytes(g.kg1)
+            .max(g.top_k * StreamShape::row_bytes(g.kg2))
+            .next_multiple_of(16);
+        // Per team the most split-K partials a virtual block parks (one unit per block: 7 slices).
+        let red = teams * StreamShape::partial_bytes(1, u1);
+        let w1 = vbpb1 * StreamShape::weight_bytes(g.rb1, u1, g.kg1);
+        let w2 = vbpb2 * StreamShape::weight_bytes(g.rb2, 1, g.kg2);
         let scratch = (2 * g.experts + 64) * 4;
         let smem_act = OT_HDR_BYTES;
         let smem_red = smem_act + act;
@@ -289,7 +295,7 @@ impl CudaLayer {
             .function(name)
             .ok()?
             .occupancy_max_active_blocks_per_multiprocessor(
-                (teams(gemms.gated) * 256) as u32,
+                threads(gemms.gated) as u32,
                 shape.smem,
                 None,
             )
@@ -334,7 +340,7 @@ impl CudaLayer {
         };
         let cfg = LaunchConfig {
             grid_dim: (shape.blocks as u32, 1, 1),
-            block_dim: ((teams(g.gated) * 256) as u32, 1, 1),
+            block_dim: (threads(g.gated) as u32, 1, 1),
             shared_mem_bytes: shape.smem as u32,
         };
         self.launch(name, cfg, |b| {
@@ -347,12 +353,12 @@ impl CudaLayer {
     /// point, µs after the earliest block entry (min / median / max over blocks). `None` when not
     /// tracing or the layer does not run one-token launches on `ws`. Synchronizes the stream.
     pub fn one_token_trace_report(&self, ws: &CudaWorkspace) -> Result<Option<String>> {
-        let Some((name, _, shape)) = self.one_token_plan(ws.tokens) else {
-            return Ok(None);
-        };
         if !tracing() {
             return Ok(None);
         }
+        let Some((name, g, shape)) = self.one_token_plan(ws.tokens) else {
+            return Ok(None);
+        };
         let st = &self.dev.stream;
         let raw = st
             .clone_dtoh(&ws.one_token_trace)
@@ -368,7 +374,7 @@ impl CudaLayer {
         let mut report = format!(
             "{name}: {} blocks x {} threads, {} B shared; µs after the first block's entry (min / median / max over {} traced blocks)",
             shape.blocks,
-            teams(name == "one_token_gated") * 256,
+            threads(g.gated),
             shape.smem,
             blocks.len()
         );
