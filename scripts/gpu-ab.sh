@@ -12,7 +12,10 @@
 # qwen3-30b-a3b), AB_ROUNDS (2), AB_TESTS (1: run .gpu/tests/*), AB_SWEEP (0: the first variant's
 # sweep over both modes), AB_TORCH (0), AB_DEADLINE (540: seconds after which no new bench
 # starts), AB_TEST_TIMEOUT (420: seconds per test executable), AB_TEST_FILTER (cuda_device's
-# test name filters; default all), AB_MODES (w4a16; e.g. "w4a16 w4a4"). Prints the medians of every A/B run last.
+# test name filters; default all), AB_MODES (w4a16; e.g. "w4a16 w4a4"), AB_SANITIZER (compute-sanitizer
+# tools run beside the tests, before the benches, e.g. "memcheck racecheck synccheck", on
+# cuda_device's tests named by AB_SANITIZER_FILTER, default one_token; options of a tool after
+# commas; AB_SANITIZER_TIMEOUT, 200 s). Prints the medians of every A/B run last.
 set -u
 OUT="${OUT:-/tmp/out}"; R=/tmp/res; mkdir -p "$R" "$OUT"
 trap 'tar czf "$OUT/res.tgz" -C /tmp res' EXIT
@@ -41,23 +44,49 @@ done
 wait
 echo "compiled at $(el) s" >> "$R/progress.txt"
 
+# compute-sanitizer tools (AB_SANITIZER, e.g. "memcheck racecheck,--racecheck-report=hazard
+# synccheck": a tool, then its own options after commas) side by side on cuda_device's tests
+# named by AB_SANITIZER_FILTER, each bounded by
+# AB_SANITIZER_TIMEOUT seconds, in the background beside the tests (before any bench).
+if [ -n "${AB_SANITIZER:-}" ]; then
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  read -r -a sf <<< "${AB_SANITIZER_FILTER:-one_token}"
+  for spec in $AB_SANITIZER; do
+    tool=${spec%%,*}; sa=()
+    [ "$spec" != "$tool" ] && IFS=, read -r -a sa <<< "${spec#*,}"
+    FP4MOE_CACHE_DIR="/tmp/kc-$(echo .gpu/fp4moe | md5sum | cut -c1-8)" timeout "${AB_SANITIZER_TIMEOUT:-200}" \
+      "$san" --tool "$tool" ${sa[@]+"${sa[@]}"} --error-exitcode 9 .gpu/tests/cuda_device-* "${sf[@]}" \
+      --test-threads=1 > "$R/sanitizer-$tool.txt" 2>&1 &
+  done
+fi
+
 if [ "${AB_TESTS:-1}" = 1 ]; then
   # The test executables embed the kernels of .gpu/fp4moe's build: its cache serves them.
   export FP4MOE_CACHE_DIR="/tmp/kc-$(echo .gpu/fp4moe | md5sum | cut -c1-8)"
   # A hung test (a kernel that never returns) must not eat the whole call.
   # AB_TEST_FILTER: name filters for cuda_device (the long one); the other executables run whole.
+  pids=()
   for t in .gpu/tests/*; do
     n=$(basename "${t%-*}"); f=()
     [ "$n" = cuda_device ] && [ -n "${AB_TEST_FILTER:-}" ] && read -r -a f <<< "$AB_TEST_FILTER"
     timeout "${AB_TEST_TIMEOUT:-420}" "$t" ${f[@]+"${f[@]}"} --test-threads=1 --nocapture > "$R/test-$n.txt" 2>&1 &
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"
   unset FP4MOE_CACHE_DIR
   echo "tests done at $(el) s" >> "$R/progress.txt"
   for f in "$R"/test-*.txt; do
     echo "$(basename "$f"): $(grep -E '^test result' "$f" | tr '\n' ' ')"
     grep -E "panicked|FAILED" "$f" | head -5
   done
+fi
+wait  # the sanitizers
+if [ -n "${AB_SANITIZER:-}" ]; then
+  for spec in $AB_SANITIZER; do
+    tool=${spec%%,*}
+    echo "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|test result' "$R/sanitizer-$tool.txt" | tr '\n' ' ')"
+  done
+  echo "sanitizers done at $(el) s" >> "$R/progress.txt"
 fi
 
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do

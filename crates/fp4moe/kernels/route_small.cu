@@ -9,9 +9,10 @@
 // so the next launch (CUDA-graph replays included; launches on one stream are serialized) starts
 // from 0. No block ever waits on another, so residency does not matter. ROUTE_FROM_LOGITS (logits
 // given, [T, E]) and ROUTE_FROM_IDS (ids and weights given, [T, k]) run one block.
-// The continuing block then runs, for at most SORT_WARP_MAX_PAIRS (32) pairs, top-k and
-// sort_pairs_warp in the first warps beside prepare_input in the others; beyond, separated by
-// __syncthreads:
+// The continuing block then runs, for one token without expert groups, topk_token_group and
+// sort_pairs_group in its first RS_ONE_TOKEN_THREADS threads; for at most SORT_WARP_MAX_PAIRS
+// (32) pairs, top-k and sort_pairs_warp in the first warps; either beside prepare_input in the
+// others; beyond, separated by __syncthreads:
 //   1. top-k (modes ROUTER/LOGITS): warps 0..topk_warps-1 take tokens t = w, w + topk_warps, ...
 //      (routing.cuh), scratch [topk_warps][2·E + 64] floats;
 //   2. the pair sort of T·k pairs (sort_pairs.cuh), scratch [32][E] + [E] ints;
@@ -64,6 +65,9 @@ __device__ __forceinline__ void prepare_rows(const RouteSmallParams& p, int t0, 
     }
 }
 
+// Threads that select and group a lone token (the rest of the block prepares its input).
+#define RS_ONE_TOKEN_THREADS 256
+
 // One block per SM stated explicitly: with (1024) alone ptxas capped the kernel at 32 registers
 // and spilled once prepare_row went to 4 elements per thread (it used ~55, as now).
 extern "C" __global__ void __launch_bounds__(1024, 1) route_small(const RouteSmallParams p) {
@@ -83,6 +87,20 @@ extern "C" __global__ void __launch_bounds__(1024, 1) route_small(const RouteSma
         }
         if (!__syncthreads_or(threadIdx.x == 0 && ticket == (int)gridDim.x - 1)) return;
         if (threadIdx.x == 0) *p.ticket = 0;  // every block has drawn: ready for the next launch
+    }
+    if (tokens == 1 && p.mode != ROUTE_FROM_IDS && p.n_group <= 1) {
+        // One token without groups: the first RS_ONE_TOKEN_THREADS threads select and group it
+        // (topk_token_group, sort_pairs_group: the warp versions' outputs in a shorter chain,
+        // named barrier 1 among them) while the others prepare its input.
+        if (threadIdx.x < RS_ONE_TOKEN_THREADS) {
+            topk_token_group(p.logits, p.bias, p.ids, p.weights, smem, experts, p.top_k, p.scoring, p.renormalize,
+                             p.rsf, RS_ONE_TOKEN_THREADS, 1);
+            sort_pairs_group(p.ids, p.top_k, experts, p.offsets, p.sorted, p.active, p.num_active,
+                             RS_ONE_TOKEN_THREADS);
+        } else {
+            prepare_rows(p, 0, 1, threadIdx.x - RS_ONE_TOKEN_THREADS, blockDim.x - RS_ONE_TOKEN_THREADS);
+        }
+        return;
     }
     if (tokens * p.top_k <= SORT_WARP_MAX_PAIRS) {
         // A few pairs: warp 0 groups them right after the top-k warps are done (named barrier 1

@@ -257,3 +257,60 @@ __device__ void topk_token(const float* l, const float* bias, int* ids, float* w
     else
         topk_token_impl<0>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
 }
+
+// bar.sync among the first `nthreads` threads of the block (named barrier `bar`; 0 with the
+// whole block is __syncthreads).
+__device__ __forceinline__ void group_sync(int bar, int nthreads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(nthreads) : "memory");
+}
+
+// Top-k of one token (n_group <= 1) by the first `nthreads` threads of the block (a multiple of
+// 32, every one of them calling; named barrier `bar` among them). Warp 0 computes the scores
+// into scratch[0, E) with topk_token itself, asked for no expert (the very same instructions
+// as a selection's, none of its rounds); thread e adds expert e's bias (biased scores at
+// scratch[E, 2E), topk_token's arithmetic); then expert e's rank in the selection order
+// (biased key descending, ties to the lower id: warp_top1's order) is counted by P threads at
+// once, each over every P-th key, and rank r < k writes ids[r]; each of the first k threads adds
+// the chosen scores in rank order and divides its own. The same ids and weights as topk_token,
+// bit for bit (same scores, same order, same sum from 0), without k rounds of two warp
+// reductions and a serial renormalization by one lane. route_small runs it for a lone token
+// (256 threads): Qwen3's one-token layer 1.5–1.9 µs faster than with warp 0's top-k
+// (KERNEL_NOTES runs 88 and 90). one_token.cu keeps the warp version for now: its 64-register
+// SASS reschedules with any change, and every variant of it measured in runs 87–89 was slower
+// than main's (with this top-k 0.4 µs faster than without, on top of other changes).
+// ids are complete at return; weights after the caller's next barrier.
+__device__ void topk_token_group(const float* l, const float* bias, int* ids, float* weights, float* scratch,
+                                 int experts, int top_k, int scoring, int renormalize, float rsf, int nthreads,
+                                 int bar) {
+    float* scores = scratch;
+    float* biased = scores + experts;
+    const int tid = threadIdx.x;
+    if (tid < 32) topk_token(l, bias, nullptr, nullptr, scratch, experts, 0, scoring, 1, 1, renormalize, rsf);
+    group_sync(bar, nthreads);
+    for (int e = tid; e < experts; e += nthreads) biased[e] = scores[e] + (bias ? bias[e] : 0.0f);
+    group_sync(bar, nthreads);
+    // P (a power of two <= 32) consecutive lanes per expert, as many as the threads allow.
+    int P = 1;
+    while (P < 32 && experts * P * 2 <= nthreads) P *= 2;
+    const int per_pass = nthreads / P;
+    for (int e0 = 0; e0 < experts; e0 += per_pass) {  // the same trips for every thread (shuffles below)
+        const int e = e0 + tid / P, part = tid % P;
+        int rank = 0;
+        if (e < experts) {
+            const u32 key = total_key(biased[e]);
+            for (int j = part; j < experts; j += P) {
+                const u32 kj = total_key(biased[j]);
+                rank += kj > key || (kj == key && j < e);
+            }
+        }
+        for (int o = P / 2; o > 0; o >>= 1) rank += __shfl_xor_sync(FULL_MASK, rank, o);
+        if (e < experts && part == 0 && rank < top_k) ids[rank] = e;
+    }
+    group_sync(bar, nthreads);
+    if (tid < top_k) {
+        float s = 0.0f;
+        for (int r = 0; r < top_k; r++) s += scores[ids[r]];
+        if (!renormalize || s == 0.0f) s = 1.0f;
+        weights[tid] = scores[ids[tid]] / s * rsf;
+    }
+}

@@ -159,3 +159,24 @@ __device__ void sort_pairs_warp(const int* ids, int pairs, int experts, int* off
         if (x <= experts) offsets[x] = c;
     }
 }
+
+// sort_pairs_warp's outputs by the first `nthreads` (> 32) threads of the block: warp 0 the
+// ranks, sorted positions and active experts (sort_pairs_warp itself, its offsets loop given
+// no expert to count), the others offsets[x] = #{pairs with an id below x}, each thread its
+// own x, reading the ids (in shared memory, or written by this block before the caller's
+// barrier) themselves, where the warp takes E/32 rounds of `pairs` shuffles. Complete after the
+// caller's next barrier.
+__device__ void sort_pairs_group(const int* ids, int pairs, int experts, int* offsets, int* sorted, int* active,
+                                 int* num_active, int nthreads) {
+    if (threadIdx.x < 32) {
+        // experts = -1: no offsets; it is otherwise only the id of lanes past the pairs, which
+        // write nothing.
+        sort_pairs_warp(ids, pairs, -1, nullptr, sorted, active, num_active);
+        return;
+    }
+    for (int x = threadIdx.x - 32; x <= experts; x += nthreads - 32) {
+        int c = 0;
+        for (int j = 0; j < pairs; j++) c += ids[j] < x;
+        offsets[x] = c;
+    }
+}

@@ -585,6 +585,13 @@ fn fused_routing_matches_split_bitwise() {
                 let mut s = spec(1024, 512, 64, 6, Activation::Silu, quant);
                 s.shared_intermediate = shared;
                 check_fused(s, t, 7100 + t as u64);
+                if t == 1 {
+                    // Sigmoid with a bias, no groups: one token's block-wide top-k in the
+                    // fused kernel against the split path's warp top-k.
+                    let mut s = spec(1024, 512, 64, 6, Activation::Relu2NoMul, quant);
+                    s.shared_intermediate = shared;
+                    check_fused(s, t, 7150);
+                }
             }
         }
     }
