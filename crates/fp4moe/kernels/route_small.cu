@@ -9,10 +9,10 @@
 // so the next launch (CUDA-graph replays included; launches on one stream are serialized) starts
 // from 0. No block ever waits on another, so residency does not matter. ROUTE_FROM_LOGITS (logits
 // given, [T, E]) and ROUTE_FROM_IDS (ids and weights given, [T, k]) run one block.
-// The continuing block then runs, for one token without expert groups, topk_token_group and
-// sort_pairs_group in its first RS_ONE_TOKEN_THREADS threads; for at most SORT_WARP_MAX_PAIRS
-// (32) pairs, top-k and sort_pairs_warp in the first warps; either beside prepare_input in the
-// others; beyond, separated by __syncthreads:
+// The continuing block then runs, for one token without expert groups among at most 128
+// experts, topk_token_group and sort_pairs_group in its first RS_ONE_TOKEN_THREADS threads;
+// for at most SORT_WARP_MAX_PAIRS (32) pairs, top-k and sort_pairs_warp in the first warps;
+// either beside prepare_input in the others; beyond, separated by __syncthreads:
 //   1. top-k (modes ROUTER/LOGITS): warps 0..topk_warps-1 take tokens t = w, w + topk_warps, ...
 //      (routing.cuh), scratch [topk_warps][2·E + 64] floats;
 //   2. the pair sort of T·k pairs (sort_pairs.cuh), scratch [32][E] + [E] ints;
@@ -88,10 +88,12 @@ extern "C" __global__ void __launch_bounds__(1024, 1) route_small(const RouteSma
         if (!__syncthreads_or(threadIdx.x == 0 && ticket == (int)gridDim.x - 1)) return;
         if (threadIdx.x == 0) *p.ticket = 0;  // every block has drawn: ready for the next launch
     }
-    if (tokens == 1 && p.mode != ROUTE_FROM_IDS && p.n_group <= 1) {
+    if (tokens == 1 && p.mode != ROUTE_FROM_IDS && p.n_group <= 1 && 2 * experts <= RS_ONE_TOKEN_THREADS) {
         // One token without groups: the first RS_ONE_TOKEN_THREADS threads select and group it
         // (topk_token_group, sort_pairs_group: the warp versions' outputs in a shorter chain,
-        // named barrier 1 among them) while the others prepare its input.
+        // named barrier 1 among them) while the others prepare its input. Up to 128 experts,
+        // where it was measured (two threads rank each expert; with more experts each thread
+        // would sweep every key once per expert it ranks: not measured, the warp stays).
         if (threadIdx.x < RS_ONE_TOKEN_THREADS) {
             topk_token_group(p.logits, p.bias, p.ids, p.weights, smem, experts, p.top_k, p.scoring, p.renormalize,
                              p.rsf, RS_ONE_TOKEN_THREADS, 1);

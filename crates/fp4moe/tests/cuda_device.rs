@@ -508,6 +508,9 @@ fn check_fused(spec: MoeSpec, tokens: usize, seed: u64) {
     let cpu = MoeLayer::new(spec, w.clone(), BackendChoice::Use(Backend::Cpu)).unwrap();
     let topk = cpu.route(&x, Some(&logits)).unwrap();
     let mut layer = CudaLayer::new(&spec, &w).unwrap();
+    // The fused routing kernel, not the one-launch layer (which takes a non-gated token without
+    // a shared expert by default; it has its own bitwise test against the split path).
+    layer.set_one_token(Some(false));
     let max_smem = layer.device().max_shared_bytes;
     assert_eq!(
         RoutePath::choose(
