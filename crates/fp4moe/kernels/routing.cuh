@@ -274,11 +274,11 @@ __device__ __forceinline__ void group_sync(int bar, int nthreads) {
 // the chosen scores in rank order and divides its own. The same ids and weights as topk_token,
 // bit for bit (same scores, same order, same sum from 0), without k rounds of two warp
 // reductions and a serial renormalization by one lane. route_small runs it for a lone token
-// among at most 128 experts (256 threads): Qwen3's one-token layer 1.5–1.9 µs faster than with warp 0's top-k
-// (KERNEL_NOTES runs 88 and 90). one_token.cu keeps the warp version for now: its 64-register
-// SASS reschedules with any change, and every variant of it measured in runs 87–89 was slower
-// than main's (with this top-k 0.4 µs faster than without, on top of other changes).
-// ids are complete at return; weights after the caller's next barrier.
+// among at most 128 experts (256 threads): Qwen3's one-token layer 1.3–1.9 µs faster than
+// with warp 0's top-k (KERNEL_NOTES runs 88 and 90). one_token.cu keeps the warp version for
+// now: its 64-register SASS reschedules with any change, and every variant of it measured in
+// runs 87–89 was slower than main's (with this top-k 0.4 µs faster than without, on top of
+// other changes). ids are complete at return; weights after the caller's next barrier.
 __device__ void topk_token_group(const float* l, const float* bias, int* ids, float* weights, float* scratch,
                                  int experts, int top_k, int scoring, int renormalize, float rsf, int nthreads,
                                  int bar) {
