@@ -1,7 +1,10 @@
 //! `fp4moe bench`: per batch size, the median time of the whole layer (routing included), the
 //! NVFP4 memory floor and the bf16 compute floor of DESIGN 5, time/floor and useful TFLOP/s.
 //! CUDA: graph replays timed with events, rotating inputs and weight copies (see
-//! `fp4moe::cuda::bench`). CPU: wall-clock median of a few forwards.
+//! `fp4moe::cuda::bench`); the memory floor from the device's copy bandwidth. CPU and
+//! reference: wall-clock median of routing plus forward after one warm-up, the inputs
+//! rotating; the memory floor from this host's copy bandwidth, and no compute floor (DESIGN 5's
+//! is the H200's bf16 rate, which says nothing of a CPU), so time/floor is against memory.
 
 use crate::progress::step;
 use crate::{BackendArg, PresetArg};
@@ -22,13 +25,6 @@ const BF16_TFLOPS: f64 = 790.0;
 pub(crate) enum ModeArg {
     W4a16,
     W4a4,
-}
-
-fn preset(p: PresetArg) -> Preset {
-    match p {
-        PresetArg::Nemotron3Nano => Preset::Nemotron3Nano,
-        PresetArg::Qwen3_30bA3b => Preset::Qwen3_30bA3b,
-    }
 }
 
 /// Distinct experts the tokens route to, averaged over the input sets.
@@ -68,7 +64,8 @@ pub(crate) struct Args {
     pub json: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Timed graph replays per batch size (default: 200, 40 from 1024 tokens).
+    /// Timed runs per batch size: CUDA graph replays (default 200, 40 from 1024 tokens);
+    /// CPU and reference forwards, routing included (default 4).
     #[arg(long)]
     pub iterations: Option<usize>,
     /// CUDA: also time each stage (routing, GEMM1, GEMM2, combine): what it adds to a
@@ -87,7 +84,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.tokens.is_empty() || a.tokens.contains(&0) {
         bail!("--tokens must list batch sizes of at least 1");
     }
-    let p = preset(a.preset);
+    let p = Preset::from(a.preset);
     let quant = match a.mode {
         ModeArg::W4a16 => QuantMode::W4A16,
         ModeArg::W4a4 => QuantMode::W4A4 {
@@ -137,15 +134,24 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 ),
             )
         }
-        _ => (0.0, "CPU".to_string()),
+        _ => (
+            step("measuring host copy bandwidth", crate::host::copy_bandwidth),
+            format!("CPU, {} threads", rayon::current_num_threads()),
+        ),
     };
+    // The compute floor is the H200's bf16 rate (DESIGN 5): a floor for the GPU only.
+    let tflops_floor = (backend == Backend::Cuda).then_some(BF16_TFLOPS);
     println!(
-        "fp4moe bench: {} {} on {} [{}], copy bandwidth {:.0} GB/s (read+write), bf16 compute {BF16_TFLOPS} TFLOP/s (DESIGN 5)",
+        "fp4moe bench: {} {} on {} [{}], copy bandwidth {:.1} GB/s (read+write), {}",
         p.name(),
         spec.quant,
         backend,
         device,
-        bandwidth / 1e9
+        bandwidth / 1e9,
+        match tflops_floor {
+            Some(r) => format!("bf16 compute {r} TFLOP/s (DESIGN 5)"),
+            None => "no compute floor (DESIGN 5's bf16 rate is the H200's)".to_string(),
+        }
     );
     println!(
         "{:>6} {:>11} {:>11} {:>8} {:>13} {:>14} {:>11} {:>9}",
@@ -180,31 +186,23 @@ pub(crate) fn run(a: Args) -> Result<()> {
             }
             other => {
                 let layer = MoeLayer::new(spec, w.clone(), BackendChoice::Use(other))?;
-                let mut out = vec![0.0f32; t * sh];
-                let mut ws = Workspace::default();
-                let mut times = Vec::new();
-                for x in &inputs {
-                    let topk = layer.route(x, None)?;
-                    let t0 = Instant::now();
-                    layer.forward(x, &topk, &mut out, &mut ws)?;
-                    times.push(t0.elapsed().as_secs_f64() * 1e6);
-                }
-                times.sort_by(f64::total_cmp);
-                (times[times.len() / 2], times[0])
+                let iters = a.iterations.unwrap_or(4).max(1);
+                step(&format!("timing {t} tokens"), || {
+                    host_times(&layer, &inputs, iters)
+                })
+                .with_context(|| format!("{t} tokens"))?
             }
         };
-        let mem_floor = if bandwidth > 0.0 {
-            touched * expert_bytes / bandwidth * 1e6
-        } else {
-            f64::NAN
-        };
+        let mem_floor = touched * expert_bytes / bandwidth * 1e6;
         let flops = 2.0 * t as f64 * k as f64 * per_expert_weights;
-        let comp_floor = flops / (BF16_TFLOPS * 1e12) * 1e6;
-        let floor = mem_floor.max(comp_floor);
+        let comp_floor = tflops_floor.map(|r| flops / (r * 1e12) * 1e6);
+        let floor = comp_floor.map_or(mem_floor, |c| mem_floor.max(c));
         let tflops = flops / (median * 1e-6) / 1e12;
+        let comp_text = comp_floor.map_or("—".to_string(), |c| format!("{c:.1}"));
         println!(
-            "{t:>6} {median:>11.1} {min:>11.1} {touched:>8.1} {mem_floor:>13.1} {comp_floor:>14.1} {:>10.2}x {tflops:>9.1}",
-            median / floor
+            "{t:>6} {median:>11.1} {min:>11.1} {touched:>8.1} {mem_floor:>13.1} {comp_text:>14} {:>10.2}x {tflops:>9.prec$}",
+            median / floor,
+            prec = if tflops < 1.0 { 3 } else { 1 }
         );
         let mut row = serde_json::json!({
             "tokens": t, "median_us": median, "min_us": min, "experts_touched": touched,
@@ -229,7 +227,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     }
     let doc = serde_json::json!({
         "preset": p.name(), "mode": spec.quant.to_string(), "backend": backend.name(), "device": device,
-        "copy_bandwidth_gbs": bandwidth / 1e9, "bf16_tflops": BF16_TFLOPS, "experts": e, "top_k": k, "results": rows,
+        "copy_bandwidth_gbs": bandwidth / 1e9, "bf16_tflops": tflops_floor, "experts": e, "top_k": k, "results": rows,
     });
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&doc)?;
@@ -243,4 +241,27 @@ pub(crate) fn run(a: Args) -> Result<()> {
         fp4moe::tensor_io::write_atomic(path, svg.as_bytes())?;
     }
     Ok(())
+}
+
+/// Wall-clock (median, min) µs of routing plus forward on a host backend, after one warm-up
+/// run (rayon's threads, first-touch pages of the workspace), the inputs taken in turn.
+fn host_times(layer: &MoeLayer, inputs: &[Vec<f32>], iters: usize) -> Result<(f64, f64)> {
+    let mut ws = Workspace::default();
+    let mut out = Vec::new();
+    let mut once = |x: &[f32]| -> Result<f64> {
+        out.resize(x.len(), 0.0);
+        let t0 = Instant::now();
+        let topk = layer.route(x, None)?;
+        layer.forward(x, &topk, &mut out, &mut ws)?;
+        Ok(t0.elapsed().as_secs_f64() * 1e6)
+    };
+    let Some(first) = inputs.first() else {
+        bail!("no inputs to time");
+    };
+    once(first)?;
+    let mut times = (0..iters)
+        .map(|i| once(&inputs[i % inputs.len()]))
+        .collect::<Result<Vec<f64>>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok((times[times.len() / 2], times[0]))
 }

@@ -8,34 +8,8 @@ use fp4moe::moe::relative_l2;
 use fp4moe::spec::{QuantMode, Scoring};
 use fp4moe::synthetic::{random_tokens, random_weights, Preset};
 use fp4moe::{Backend, BackendChoice, MoeLayer, Workspace};
-use rayon::prelude::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-fn preset(p: PresetArg) -> Preset {
-    match p {
-        PresetArg::Nemotron3Nano => Preset::Nemotron3Nano,
-        PresetArg::Qwen3_30bA3b => Preset::Qwen3_30bA3b,
-    }
-}
-
-/// Read+write bandwidth of a parallel 256 MiB copy, best of a few, in bytes/s.
-fn copy_bandwidth() -> f64 {
-    const N: usize = 256 << 20;
-    let src = vec![1u8; N];
-    let mut dst = vec![0u8; N];
-    let chunk = N / rayon::current_num_threads().max(1) / 4;
-    let mut best = f64::MAX;
-    for _ in 0..4 {
-        let t = Instant::now();
-        dst.par_chunks_mut(chunk.max(1))
-            .zip(src.par_chunks(chunk.max(1)))
-            .for_each(|(d, s)| d.copy_from_slice(s));
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    std::hint::black_box(&dst);
-    2.0 * N as f64 / best
-}
 
 fn fmt_time(d: Duration) -> String {
     let s = d.as_secs_f64();
@@ -55,7 +29,7 @@ pub(crate) fn run(
     seed: u64,
     check_tokens: usize,
 ) -> Result<()> {
-    let preset = preset(p);
+    let preset = Preset::from(p);
     let spec = preset.spec(QuantMode::W4A16);
     let s = spec.shape;
     let r = spec.routing;
@@ -167,7 +141,7 @@ pub(crate) fn run(
         (bw, format!("{} (time through the host API, transfers included; `fp4moe bench` times the device alone)", d.name))
     } else {
         (
-            step("measuring copy bandwidth", copy_bandwidth),
+            step("measuring copy bandwidth", crate::host::copy_bandwidth),
             format!("{} threads", rayon::current_num_threads()),
         )
     };

@@ -3,6 +3,7 @@
 mod bench;
 mod checkpoint_cmds;
 mod demo;
+mod host;
 mod plot;
 mod progress;
 
@@ -49,6 +50,15 @@ pub(crate) enum PresetArg {
     Nemotron3Nano,
     #[value(name = "qwen3-30b-a3b")]
     Qwen3_30bA3b,
+}
+
+impl From<PresetArg> for fp4moe::synthetic::Preset {
+    fn from(p: PresetArg) -> Self {
+        match p {
+            PresetArg::Nemotron3Nano => Self::Nemotron3Nano,
+            PresetArg::Qwen3_30bA3b => Self::Qwen3_30bA3b,
+        }
+    }
 }
 
 #[derive(Subcommand)]

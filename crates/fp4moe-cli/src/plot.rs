@@ -4,8 +4,9 @@
 //! Inputs are benchmark JSON documents: `fp4moe bench --json` output (`backend`, `mode`, `preset`,
 //! `results[] {tokens, median_us, memory_floor_us, compute_floor_us}`) or the PyTorch peer's
 //! (`backend`, `preset`, `results[] {tokens, median_us}`). Every line is divided by the same
-//! floor: DESIGN 5's NVFP4 floor, max(memory floor, bf16 compute floor), taken from the first
-//! fp4moe document of the same preset at the same batch size, so lines compare times directly.
+//! floor: DESIGN 5's NVFP4 floor, max(memory floor, bf16 compute floor) (a host backend's
+//! document has a null compute floor: its memory floor alone), taken from the first fp4moe
+//! document of the same preset at the same batch size, so lines compare times directly.
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -69,8 +70,11 @@ fn parse(name: &str, v: &Value) -> Result<Doc> {
         // Only fp4moe documents carry the NVFP4 floor (the peer's own floor is bf16).
         let floor = if v.get("mode").is_some() {
             let m = number(r, "memory_floor_us", &at)?;
-            let c = number(r, "compute_floor_us", &at)?;
-            Some(m.max(c))
+            // A host backend's document has no compute floor (null): memory alone.
+            match r.get("compute_floor_us") {
+                Some(Value::Null) => Some(m),
+                _ => Some(m.max(number(r, "compute_floor_us", &at)?)),
+            }
         } else {
             None
         };
@@ -291,6 +295,23 @@ mod tests {
         assert!(text.starts_with("<svg") && text.ends_with("</svg>\n"));
         assert!(text.contains("PyTorch bf16 grouped_mm") && text.contains("title &lt;x&gt;"));
         assert_eq!(text.matches("<polyline").count(), 2);
+    }
+
+    #[test]
+    fn a_host_document_without_compute_floor_uses_its_memory_floor() {
+        let cpu = json!({"backend": "cpu", "mode": "w4a16", "preset": "p", "results": [
+            {"tokens": 1, "median_us": 300.0, "memory_floor_us": 100.0, "compute_floor_us": null},
+            {"tokens": 8, "median_us": 900.0, "memory_floor_us": 200.0, "compute_floor_us": null}]});
+        let (_, lines) = series(&[("cpu.json".into(), cpu)]).unwrap();
+        assert_eq!(lines[0].points, vec![(1.0, 3.0), (8.0, 4.5)]);
+        // A missing memory floor is still an error that names the field.
+        let bad = json!({"backend": "cpu", "mode": "w4a16", "preset": "p", "results": [
+            {"tokens": 1, "median_us": 3.0, "memory_floor_us": null, "compute_floor_us": null}]});
+        let e = series(&[("c.json".into(), bad)]).unwrap_err().to_string();
+        assert!(
+            e.contains("c.json: results[0]") && e.contains("memory_floor_us"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -384,6 +384,45 @@ fn bench_rejects_bad_arguments() {
     expect_error(&o, &["--stages", "cuda"]);
 }
 
+/// `bench` on the CPU backend: the memory floor from this host's copy bandwidth, no compute
+/// floor (DESIGN 5's is the H200's), time/floor against memory, a plot that draws it.
+#[test]
+fn bench_on_the_cpu_reports_the_host_memory_floor() {
+    let dir = tempfile::tempdir().unwrap();
+    let (json, svg) = (dir.path().join("b.json"), dir.path().join("b.svg"));
+    let o = fp4moe(&[
+        "bench",
+        "--backend",
+        "cpu",
+        "--preset",
+        "qwen3-30b-a3b",
+        "--tokens",
+        "1,2",
+        "--iterations",
+        "1",
+        "--json",
+        s(&json),
+        "--plot",
+        s(&svg),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert!(doc["bf16_tflops"].is_null(), "{doc}");
+    assert!(doc["copy_bandwidth_gbs"].as_f64().unwrap() > 0.0, "{doc}");
+    let rows = doc["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        let mem = r["memory_floor_us"].as_f64().unwrap();
+        let median = r["median_us"].as_f64().unwrap();
+        assert!(mem > 0.0 && median >= r["min_us"].as_f64().unwrap(), "{r}");
+        assert!(r["compute_floor_us"].is_null(), "{r}");
+        let ratio = r["time_over_floor"].as_f64().unwrap();
+        assert!((ratio - median / mem).abs() <= 1e-9 * ratio, "{r}");
+    }
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert_eq!(picture.matches("<polyline").count(), 1, "{picture}");
+}
+
 #[test]
 fn inspect_and_run_a_checkpoint() {
     use fp4moe::checkpoint::{write_checkpoint, Checkpoint, Family, ModelConfig, WriteOptions};
