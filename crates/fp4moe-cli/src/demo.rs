@@ -33,10 +33,14 @@ pub(crate) fn run(
     let spec = preset.spec(QuantMode::W4A16);
     let s = spec.shape;
     let r = spec.routing;
-    let routing = match (r.scoring, preset) {
-        (Scoring::Sigmoid, _) => "sigmoid + bias",
-        (Scoring::Softmax, _) => "softmax",
+    let routing = match r.scoring {
+        Scoring::Sigmoid => "sigmoid + bias",
+        Scoring::Softmax => "softmax",
     };
+    // A backend asked for by name must fit before seconds go into quantizing the weights.
+    if let BackendChoice::Use(b) = backend.choice() {
+        fp4moe::backend::require(b, &spec)?;
+    }
     println!(
         "fp4moe demo: {} (H {}, I {}, E {}, top-{}, {} {}, {}{}, rsf {}), {}, {} tokens, seed {}",
         preset.name(),
