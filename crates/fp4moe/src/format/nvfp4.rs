@@ -258,9 +258,9 @@ fn dequantize_row_portable(packed: &[u8], scales: &[u8], scale_2: f32, out: &mut
 mod avx2 {
     use super::{e4m3, BLOCK, NIBBLE};
     use std::arch::x86_64::{
-        __m256, __m256i, _mm256_blendv_ps, _mm256_castsi256_ps, _mm256_cvtepu8_epi32,
+        __m128i, __m256, __m256i, _mm256_blendv_ps, _mm256_castsi256_ps, _mm256_cvtepu8_epi32,
         _mm256_loadu_ps, _mm256_mul_ps, _mm256_permutevar8x32_ps, _mm256_set1_ps,
-        _mm256_slli_epi32, _mm256_storeu_ps, _mm_and_si128, _mm_cvtsi64_si128, _mm_set1_epi8,
+        _mm256_slli_epi32, _mm256_storeu_ps, _mm_and_si128, _mm_loadl_epi64, _mm_set1_epi8,
         _mm_srli_epi16, _mm_unpackhi_epi64, _mm_unpacklo_epi8,
     };
 
@@ -333,8 +333,8 @@ mod avx2 {
             let sf = _mm256_set1_ps(e4m3::decode(s));
             let t_lo = _mm256_mul_ps(_mm256_mul_ps(nib_lo, sf), s2);
             let t_hi = _mm256_mul_ps(_mm256_mul_ps(nib_hi, sf), s2);
-            let bytes: [u8; 8] = p.try_into().expect("chunks of 8 bytes");
-            let bytes = _mm_cvtsi64_si128(i64::from_le_bytes(bytes));
+            // SAFETY: `p` holds the eight bytes read (an unaligned 64-bit load).
+            let bytes = unsafe { _mm_loadl_epi64(p.as_ptr().cast::<__m128i>()) };
             let even = _mm_and_si128(bytes, low4);
             let odd = _mm_and_si128(_mm_srli_epi16::<4>(bytes), low4);
             let nibbles = _mm_unpacklo_epi8(even, odd);
