@@ -6,7 +6,9 @@
 //! (`backend`, `preset`, `results[] {tokens, median_us}`). Every line is divided by the same
 //! floor: DESIGN 5's NVFP4 floor, max(memory floor, bf16 compute floor) (a host backend's
 //! document has a null compute floor: its memory floor alone), taken from the first fp4moe
-//! document of the same preset at the same batch size, so lines compare times directly.
+//! document of the same preset at the same batch size, so lines compare times directly. Host
+//! runs (`cpu`, `reference`) and GPU runs (fp4moe's `cuda`, the peer) are never mixed: their
+//! floors belong to different machines.
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -26,6 +28,8 @@ struct Doc {
     label: String,
     /// `(tokens, median µs, NVFP4 floor µs if the document has one)`.
     rows: Vec<(u64, f64, Option<f64>)>,
+    /// Measured on the host (fp4moe's `cpu` or `reference` backend), not on a GPU.
+    host: bool,
 }
 
 fn field<'a>(v: &'a Value, key: &str, at: &str) -> Result<&'a Value> {
@@ -47,6 +51,7 @@ fn parse(name: &str, v: &Value) -> Result<Doc> {
             .to_string())
     };
     let backend = text("backend")?;
+    let host = v.get("mode").is_some() && matches!(backend.as_str(), "cpu" | "reference");
     let preset = text("preset")?;
     let label = match v.get("mode").and_then(Value::as_str) {
         Some(mode) => format!("fp4moe {backend} {mode}"),
@@ -85,6 +90,7 @@ fn parse(name: &str, v: &Value) -> Result<Doc> {
         preset,
         label,
         rows,
+        host,
     })
 }
 
@@ -104,6 +110,20 @@ pub fn series(docs: &[(String, Value)]) -> Result<(String, Vec<Series>)> {
             other.preset,
             first.name,
             first.preset
+        );
+    }
+    // One floor divides every line, so every document must come from one kind of machine: a
+    // host run's floor is this machine's memory, a GPU run's (and the peer's) the device's.
+    if let Some(other) = parsed.iter().find(|d| d.host != first.host) {
+        let (host, gpu) = if other.host {
+            (other, first)
+        } else {
+            (first, other)
+        };
+        bail!(
+            "{} was measured on the host and {} on a GPU: their floors are different machines', plot them apart",
+            host.name,
+            gpu.name
         );
     }
     let mut floors: BTreeMap<u64, f64> = BTreeMap::new();
@@ -312,6 +332,19 @@ mod tests {
             e.contains("c.json: results[0]") && e.contains("memory_floor_us"),
             "{e}"
         );
+        // Host and GPU runs (fp4moe's or the peer's) do not share a floor.
+        let cpu = json!({"backend": "cpu", "mode": "w4a16", "preset": "p", "results": [
+            {"tokens": 1, "median_us": 300.0, "memory_floor_us": 100.0, "compute_floor_us": null}]});
+        let torch = json!({"backend": "torch-bf16", "preset": "p", "results": [{"tokens": 1, "median_us": 1.0}]});
+        for other in [fp4("w4a16", &[(1, 1.0, 1.0)]), torch] {
+            let e = series(&[("cpu.json".into(), cpu.clone()), ("g.json".into(), other)])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("cpu.json was measured on the host and g.json on a GPU"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -385,7 +385,9 @@ fn bench_rejects_bad_arguments() {
 }
 
 /// `bench` on the CPU backend: the memory floor from this host's copy bandwidth, no compute
-/// floor (DESIGN 5's is the H200's), time/floor against memory, a plot that draws it.
+/// floor (DESIGN 5's is the H200's), time/floor against memory, a plot that draws it. The
+/// heaviest CPU-only test (~5 s in release): `bench` has only the real models' shapes, and
+/// Qwen3-30B-A3B's is the smaller one to quantize.
 #[test]
 fn bench_on_the_cpu_reports_the_host_memory_floor() {
     let dir = tempfile::tempdir().unwrap();

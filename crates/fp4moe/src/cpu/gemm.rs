@@ -39,8 +39,8 @@ trait Dots: Copy {
 struct Portable;
 
 impl Dots for Portable {
-    // Without AVX, 4 × 2 blocks spill x86-64's sixteen 128-bit registers (two per accumulator)
-    // and measured slower.
+    // On x86-64 without AVX, 4 × 2 blocks spill the sixteen 128-bit registers (two per
+    // accumulator) and measured slower; other architectures were not measured.
     const TWO_TOKENS: bool = false;
 
     #[inline(always)]

@@ -226,8 +226,9 @@ const NIBBLE: [f32; 16] = e2m1::decode_table();
 /// block keeps the cost at one multiply per element.
 ///
 /// On x86-64 CPUs with AVX2 (checked at run time) the table is built with two vector multiplies
-/// per half and read with `vpermps`; every output bit is the same as the portable loop's, for
-/// every input (see the module's tests).
+/// per half and read with `vpermps`; every output bit is the same as the portable loop's for
+/// every input loading admits (see the module's tests; for the two NaN scale bytes, which
+/// loading rejects, both give NaN with an unspecified sign).
 #[inline]
 pub fn dequantize_row(packed: &[u8], scales: &[u8], scale_2: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -308,6 +309,7 @@ mod avx2 {
     /// same two roundings per lane (`vmulps` rounds like `mulss`; no FMA, no flush to zero),
     /// so signed zeros (`+0.0` for code 8), infinities and subnormals come out as in the scalar
     /// table.
+    ///
     /// The 16 nibbles of a block in output order (low nibble of byte `j` is value `2j`) become
     /// two vectors of 32-bit indices, each looked up in both halves and blended on bit 3.
     ///
