@@ -14,6 +14,12 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
+
+// bar.sync among `nthreads` threads of the block (named barrier `bar`, a multiple of 32 threads,
+// every warp of the group calling; 0 with the whole block is __syncthreads).
+__device__ __forceinline__ void group_sync(int bar, int nthreads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(nthreads) : "memory");
+}
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif

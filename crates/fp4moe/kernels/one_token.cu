@@ -164,7 +164,7 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
 
 // The 256 threads of team h (named barrier 1 + h).
 __device__ __forceinline__ void team_sync(int h) {
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + h), "r"(STREAM_WARPS * 32) : "memory");
+    group_sync(1 + h, STREAM_WARPS * 32);
 }
 
 // A virtual block of a GEMM: slot (active expert index) and column block x of the streaming

@@ -110,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) route_small(const RouteSma
         if (w < p.topk_warps) {
             if (p.mode != ROUTE_FROM_IDS) {
                 topk_tokens(p, w, smem);
-                if (p.topk_warps > 1) asm volatile("bar.sync 1, %0;" ::"r"(32 * p.topk_warps) : "memory");
+                if (p.topk_warps > 1) group_sync(1, 32 * p.topk_warps);
             }
             if (w == 0)
                 sort_pairs_warp(p.ids, tokens * p.top_k, experts, p.offsets, p.sorted, p.active, p.num_active);

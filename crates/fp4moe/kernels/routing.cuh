@@ -258,12 +258,6 @@ __device__ void topk_token(const float* l, const float* bias, int* ids, float* w
         topk_token_impl<0>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
 }
 
-// bar.sync among the first `nthreads` threads of the block (named barrier `bar`; 0 with the
-// whole block is __syncthreads).
-__device__ __forceinline__ void group_sync(int bar, int nthreads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(nthreads) : "memory");
-}
-
 // Top-k of one token (n_group <= 1) by the first `nthreads` threads of the block (a multiple of
 // 32, every one of them calling; named barrier `bar` among them). Warp 0 computes the scores
 // into scratch[0, E) with topk_token itself, asked for no expert (the very same instructions
