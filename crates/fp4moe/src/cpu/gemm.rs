@@ -281,12 +281,11 @@ mod tests {
     /// Deterministic non-zero values of both signs spread over several binades, so that any
     /// change in the order of the roundings shows in the low bits.
     fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed | 1;
+        use rand::{rngs::SmallRng, RngCore, SeedableRng};
+        let mut rng = SmallRng::seed_from_u64(seed);
         (0..len)
             .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                let x = rng.next_u64();
                 let m = 1.0 + (x >> 40) as f32 / (1u64 << 24) as f32;
                 let e = ((x >> 8) % 7) as i32 - 3;
                 let s = if x & 1 == 0 { 1.0 } else { -1.0 };

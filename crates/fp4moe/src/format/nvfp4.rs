@@ -374,18 +374,7 @@ pub fn dequantize_row_unit(packed: &[u8], scales: &[u8], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Random bits for the tests (xorshift64).
-    struct Bits(u64);
-
-    impl Bits {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
+    use rand::{rngs::SmallRng, RngCore, SeedableRng};
 
     /// Runs `dequantize_row` (and the AVX2 version by name where the CPU has AVX2) and the
     /// portable definition on the same row and compares the bits of the whole output buffer
@@ -495,20 +484,24 @@ mod tests {
     /// tail stays untouched) and fewer scales than blocks (only whole blocks with a scale).
     #[test]
     fn fast_dequantize_matches_portable_on_random_rows() {
-        let mut bits = Bits(0x2545_F491_4F6C_DD1D);
+        let mut bits = SmallRng::seed_from_u64(0x2545_F491_4F6C_DD1D);
         for case in 0..2000 {
-            let blocks = 1 + (bits.next() % 200) as usize;
-            let packed: Vec<u8> = (0..blocks * BLOCK / 2).map(|_| bits.next() as u8).collect();
-            let mut scales: Vec<u8> = (0..blocks).map(|_| (bits.next() % 0x7F) as u8).collect();
+            let blocks = 1 + (bits.next_u64() % 200) as usize;
+            let packed: Vec<u8> = (0..blocks * BLOCK / 2)
+                .map(|_| bits.next_u64() as u8)
+                .collect();
+            let mut scales: Vec<u8> = (0..blocks)
+                .map(|_| (bits.next_u64() % 0x7F) as u8)
+                .collect();
             let scale_2 = match case % 4 {
-                0 => SCALE_2S[(bits.next() % SCALE_2S.len() as u64) as usize],
+                0 => SCALE_2S[(bits.next_u64() % SCALE_2S.len() as u64) as usize],
                 // Any finite positive f32 (subnormals included).
-                1 => f32::from_bits(1 + (bits.next() % (0x7F80_0000 - 1)) as u32),
-                _ => f32::from_bits(0x3800_0000 + (bits.next() % 0x0200_0000) as u32),
+                1 => f32::from_bits(1 + (bits.next_u64() % (0x7F80_0000 - 1)) as u32),
+                _ => f32::from_bits(0x3800_0000 + (bits.next_u64() % 0x0200_0000) as u32),
             };
             let mut len = blocks * BLOCK;
             if case % 7 == 0 {
-                len += BLOCK + (bits.next() % BLOCK as u64) as usize;
+                len += BLOCK + (bits.next_u64() % BLOCK as u64) as usize;
             }
             if case % 11 == 0 {
                 scales.truncate(blocks / 2);
