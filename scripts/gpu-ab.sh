@@ -25,13 +25,16 @@ deadline=${AB_DEADLINE:-540}
 variants=${AB_VARIANTS:-"new=.gpu/fp4moe"}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$R/gpu.txt"
 
+# The kernel cache of a binary (every run of one binary shares its compiled kernels).
+kernel_cache() { echo "/tmp/kc-$(echo "$1" | md5sum | cut -c1-8)"; }
+
 # run LABEL CMD...: CMD with the variant's binary, kernel cache and environment.
 run_variant() {
   local spec=$1; shift
   local label=${spec%%=*} rest=${spec#*=} bin env=()
   bin=${rest%%@*}
   [ "$rest" != "$bin" ] && IFS=, read -r -a env <<< "${rest#*@}"
-  timeout 240 env FP4MOE_CACHE_DIR="/tmp/kc-$(echo "$bin" | md5sum | cut -c1-8)" "${env[@]}" "$bin" "$@"
+  timeout 240 env FP4MOE_CACHE_DIR="$(kernel_cache "$bin")" "${env[@]}" "$bin" "$@"
 }
 
 # Each binary's kernels once (variants of one binary share its cache).
@@ -54,7 +57,7 @@ if [ -n "${AB_SANITIZER:-}" ]; then
   for spec in $AB_SANITIZER; do
     tool=${spec%%,*}; sa=()
     [ "$spec" != "$tool" ] && IFS=, read -r -a sa <<< "${spec#*,}"
-    FP4MOE_CACHE_DIR="/tmp/kc-$(echo .gpu/fp4moe | md5sum | cut -c1-8)" timeout "${AB_SANITIZER_TIMEOUT:-200}" \
+    FP4MOE_CACHE_DIR="$(kernel_cache .gpu/fp4moe)" timeout "${AB_SANITIZER_TIMEOUT:-200}" \
       "$san" --tool "$tool" ${sa[@]+"${sa[@]}"} --error-exitcode 9 .gpu/tests/cuda_device-* "${sf[@]}" \
       --test-threads=1 > "$R/sanitizer-$tool.txt" 2>&1 &
   done
@@ -62,7 +65,7 @@ fi
 
 if [ "${AB_TESTS:-1}" = 1 ]; then
   # The test executables embed the kernels of .gpu/fp4moe's build: its cache serves them.
-  export FP4MOE_CACHE_DIR="/tmp/kc-$(echo .gpu/fp4moe | md5sum | cut -c1-8)"
+  export FP4MOE_CACHE_DIR="$(kernel_cache .gpu/fp4moe)"
   # A hung test (a kernel that never returns) must not eat the whole call.
   # AB_TEST_FILTER: name filters for cuda_device (the long one); the other executables run whole.
   pids=()
