@@ -1,6 +1,6 @@
 // The one-token layer in one launch: router logits, top-k, grouping, input preparation, GEMM1
-// (+ activation, W4A4 QDQ), GEMM2 (+ router weight) and the combine, separated by two grid-wide
-// barriers instead of four kernel boundaries.
+// (+ activation, W4A4 QDQ), GEMM2 (+ router weight) and the combine, separated by per-logit
+// flags and one grid-wide barrier instead of four kernel boundaries.
 //
 //   y = Σ_j w_j · W2_{e_j} · act(W13_{e_j} · a),   j < k in slot order (combine.cu's order)
 //
@@ -20,9 +20,10 @@
 //
 // Grid: G blocks of OT_TEAMS_* teams of STREAM_WARPS warps, all resident at once (the
 // host sizes G from the occupancy it queried, and launches it without programmatic
-// serialization, after the previous work on the stream), which the grid barriers need.
+// serialization, after the previous work on the stream), which the flags and the barrier need.
 //   0. Router mode: logit e of the token by block e mod G (router_logits_block, one group of
-//      eight warps); every block prepares the token's GEMM1 operand row in shared memory. Barrier.
+//      eight warps), published through its flag; every block prepares the token's GEMM1 operand
+//      row in shared memory and gathers the logits from their flags.
 //   1. Every block runs top-k and the grouping from the same logits (same code: all agree) into
 //      shared memory; block 0 writes ids, weights and the grouping out. GEMM1's virtual blocks
 //      v = (slot, x) of the streaming grid (x-fastest), block b taking v = b + G·i, i < vbpb1,
@@ -32,7 +33,8 @@
 //      the wait for the barrier (GEMM1's g rows written).
 //   2. GEMM2's operand rows (k of them) staged; its virtual blocks as in 1; per column block
 //      x a ticket: the last of the k slots' virtual blocks to finish adds the pairs' rows into y.
-// The barrier counters and tickets (`sync`) are back at 0 after every launch (graph replays).
+// The tickets and the logit flags (`sync`) are back at 0 after every launch, and the barrier's
+// arrival count at a multiple of G (graph replays).
 //
 // Shared memory (byte offsets from the host): header (OT_HDR_BYTES: ids, weights, sorted pairs,
 // active experts, counts, logit slices, offsets [E + 1], the virtual blocks' mbarriers) | operand rows at smem_act (GEMM1: one
@@ -63,7 +65,7 @@
 // Commit groups one thread may wait on (cp_async_wait_upto): virtual blocks per team.
 #define OT_MAX_GROUPS 8
 // Phase timestamps a traced launch records per block: entry, logits and operand row done,
-// barrier 1 passed, top-k and grouping done, GEMM1's copies issued, GEMM1 computed, GEMM2's
+// logits gathered, top-k and grouping done, GEMM1's copies issued, GEMM1 computed, GEMM2's
 // copies issued, barrier 2 passed and GEMM2's operand staged, exit.
 #define OT_TRACE_POINTS 9
 
@@ -78,7 +80,7 @@ struct OneTokenParams {
     int* ids;              // [k]
     float* weights;        // [k]
     float* y;              // [H]
-    unsigned* sync;        // [OT_TICKETS + column blocks]: arrivals, generation, combine tickets; 0 between launches
+    unsigned* sync;        // [OT_LOGIT_FLAGS(column blocks) + 2E]: arrival count (u64), combine tickets, logit flags (u64)
     int experts, top_k, scoring, n_group, topk_group, renormalize;
     float rsf, gs;         // gs: W4A4 input global scale (0: W4A16)
     int rb1, rb2;          // row groups per virtual block of GEMM1 / GEMM2 (their K split)
@@ -93,11 +95,6 @@ struct OneTokenParams {
 // context unusable, instead of hanging forever. A legitimate wait is a few microseconds.
 #define OT_BARRIER_TIMEOUT_NS 2000000000ull
 
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -109,39 +106,88 @@ __device__ __forceinline__ void trace_point(unsigned long long* trace, int i) {
     if (trace && threadIdx.x == 0) trace[blockIdx.x * OT_TRACE_POINTS + i] = global_ns();
 }
 
-// Grid barrier in two halves (sense reversal: the last block to arrive resets the count and
-// publishes the next generation the others wait for), so a block can start copies between
-// them. The count (sync[OT_COUNT]) and the generation (sync[OT_GEN]) sit 128 bytes apart, so
-// the waiters' polls do not share a line with the arrivals' atomics. The block barrier before
-// thread 0's fence publishes the block's writes (as cooperative groups' grid sync does); the
-// acquire after the wait makes the other blocks' visible. Returns the generation to wait on
-// (thread 0's).
+// Grid barrier in two halves, so a block can issue GEMM2's copies between them: a monotonic
+// u64 count of block arrivals at sync[OT_COUNT] (never reset; every launch adds G, so launch n
+// finds n·G at entry: G is the device's SM count on every launch, see one_token_shape). Before
+// its own arrival a block reads some value in [n·G, n·G + G − 1] and waits for the next
+// multiple of G. The arrival is a reduction (no round trip): thread 32
+// fences the block's writes (after the block barrier, as cooperative groups' grid sync does)
+// and adds 1, while thread 0 goes on to issue the copies and then polls. A count and a
+// generation flipped by the last block (runs 86–90) took a load, an atomic's round trip and the
+// last block's release before any block saw the barrier pass. The acquire that ends the wait
+// makes the other blocks' writes visible.
 #define OT_COUNT 0
-#define OT_GEN 32
 #define OT_TICKETS 64  // combine tickets, one per GEMM2 column block
-__device__ __forceinline__ unsigned grid_arrive(unsigned* sync) {
+__device__ __forceinline__ unsigned long long grid_arrive(unsigned* sync) {
+    unsigned long long* count = reinterpret_cast<unsigned long long*>(sync + OT_COUNT);
+    unsigned long long target = 0;
+    if (threadIdx.x == 0) {  // before the block's arrival, which follows the block barrier
+        unsigned long long c;
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(c) : "l"(count) : "memory");
+        target = (c / gridDim.x + 1) * gridDim.x;
+    }
     __syncthreads();
-    unsigned gen = 0;
-    if (threadIdx.x == 0) {
-        gen = ld_acquire(sync + OT_GEN);
+    if (threadIdx.x == 32) {
         __threadfence();
-        if (atomicAdd(sync + OT_COUNT, 1u) == gridDim.x - 1) {
-            // Acquire the other blocks' arrivals (their fence before their atomic), so the
-            // release below passes their writes on to every waiter.
-            __threadfence();
-            sync[OT_COUNT] = 0;  // ordered before the release below: the next barrier counts from 0
-            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync + OT_GEN), "r"(gen + 1) : "memory");
+        atomicAdd(count, 1ull);  // result unused: a reduction
+    }
+    return target;
+}
+__device__ __forceinline__ void grid_wait(const unsigned* sync, unsigned long long target) {
+    if (threadIdx.x == 0) {
+        const unsigned long long* count = reinterpret_cast<const unsigned long long*>(sync + OT_COUNT);
+        const unsigned long long t0 = global_ns();
+        for (;;) {
+            unsigned long long c;
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(c) : "l"(count) : "memory");
+            if (c >= target) break;
+            if (global_ns() - t0 > OT_BARRIER_TIMEOUT_NS) __trap();
         }
     }
-    return gen;
-}
-__device__ __forceinline__ void grid_wait(const unsigned* sync, unsigned gen) {
-    if (threadIdx.x == 0) {
-        const unsigned long long t0 = global_ns();
-        while (ld_acquire(sync + OT_GEN) == gen)
-            if (global_ns() - t0 > OT_BARRIER_TIMEOUT_NS) __trap();
-    }
     __syncthreads();
+}
+
+// Router mode's logits reach every block through flags instead of a grid barrier: sync words
+// from OT_LOGIT_FLAGS(column blocks) on hold one u64 per expert, (1 << 32) | the logit's bits
+// once its block has computed it this launch, 0 otherwise (block 0 clears them after barrier 2,
+// when every block has read them). A block's warp 0 polls them until each is set: one L2 round
+// trip after the last logit is written, where the barrier took an atomic, a fence and a release
+// before the polls, and top-k then read the logits again (runs 86–90: barrier 1 passed ~1.8 µs
+// after the logits). Relaxed accesses: the logit's bits travel in the flag itself.
+#define OT_LOGIT_FLAGS(col_blocks) ((OT_TICKETS + (col_blocks) + 1) & ~1)
+__device__ __forceinline__ void st_relaxed_u64(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Warp 0: the `experts` logits from their flags into `slog` (shared memory), eight per lane in
+// flight at a time; traps after OT_BARRIER_TIMEOUT_NS like the barrier.
+__device__ __forceinline__ void gather_logits(const unsigned long long* flags, float* slog, int experts) {
+    const int lane = threadIdx.x & 31;
+    const unsigned long long t0 = global_ns();
+    for (int e0 = 0; e0 < experts; e0 += 32 * 8) {
+        unsigned pending = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (e0 + lane + 32 * j < experts) pending |= 1u << j;
+        while (pending) {
+            unsigned long long v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = (pending >> j) & 1u ? ld_relaxed_u64(flags + e0 + lane + 32 * j) : 0ull;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (v[j] >> 32) {
+                    slog[e0 + lane + 32 * j] = __uint_as_float((unsigned)v[j]);
+                    pending &= ~(1u << j);
+                }
+            if (pending && global_ns() - t0 > OT_BARRIER_TIMEOUT_NS) __trap();
+        }
+    }
+    __syncwarp();
 }
 
 // sm_90: the weights come through the bulk copy engine (one copy per unit's data and one per
@@ -366,22 +412,35 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
     // One logit per block at a time (router_logits_block with one group: route_small's
     // arithmetic), so the logits spread over the blocks (four per block kept 32 blocks busy
     // until 3.1 µs, run 85's trace; one per block: 2.8, run 86).
+    // Top-k's scratch (2E + 64 floats), then the gathered logits and the bias, in sw.
+    float* scratch = reinterpret_cast<float*>(sw);
+    float* slog = scratch + 2 * experts + 64;
+    float* sbias = slog + experts;
+    unsigned long long* flags =
+        reinterpret_cast<unsigned long long*>(p.sync + OT_LOGIT_FLAGS(p.g2.rg_out));
+    // The bias is requested now and stored after the logits, so its DRAM latency hides behind them.
+    const bool bias_smem = p.bias && experts <= (int)blockDim.x;
+    const float bias_e = bias_smem && (int)threadIdx.x < experts ? p.bias[threadIdx.x] : 0.0f;
     if (p.router) {
         for (int e = blockIdx.x; e < experts; e += gridDim.x) {
-            router_logits_block(p.x, p.router, p.logits, experts, experts, hidden, part, e, 1);
+            const float v = router_logits_block(p.x, p.router, p.logits, experts, experts, hidden, part, e, 1);
+            // One group: the logit's writer is thread 0 (warp 0's lane 0).
+            if (threadIdx.x == 0) st_relaxed_u64(flags + e, (1ull << 32) | __float_as_uint(v));
             __syncthreads();  // `part` is rewritten by the next logit
         }
     }
     prepare_row(p.x, sact, nullptr, hidden, p.gs, threadIdx.x, blockDim.x);
     for (int c = hidden + threadIdx.x; c < p.g1.kg * 64; c += blockDim.x) sact[c] = __float2bfloat16_rn(0.0f);
+    if (bias_smem && (int)threadIdx.x < experts) sbias[threadIdx.x] = bias_e;
+    __syncthreads();
     trace_point(p.trace, 1);
-    if (p.router) grid_wait(p.sync, grid_arrive(p.sync));
+    if (p.router && warp == 0) gather_logits(flags, slog, experts);
     trace_point(p.trace, 2);
 
     // 1. Routing, the same in every block.
     if (warp == 0) {
-        topk_token(p.logits, p.bias, s_ids, s_w, reinterpret_cast<float*>(sw), experts, k, p.scoring, p.n_group,
-                   p.topk_group, p.renormalize, p.rsf);
+        topk_token<false>(p.router ? slog : p.logits, bias_smem ? sbias : p.bias, s_ids, s_w, scratch, experts, k,
+                          p.scoring, p.n_group, p.topk_group, p.renormalize, p.rsf);
         sort_pairs_warp(s_ids, k, experts, s_offsets, s_sorted, s_active, s_num);
 #if OT_BULK
         fence_proxy_async();  // the top-k scratch in sw before the bulk copies overwrite it
@@ -416,10 +475,12 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
     __syncthreads();  // every region read: GEMM2's copies may overwrite them
     trace_point(p.trace, 5);
     // GEMM1's g rows are published at the arrival; GEMM2's weight copies run during the wait.
-    const unsigned gen = grid_arrive(p.sync);
+    const unsigned long long target = grid_arrive(p.sync);
     const int groups2 = issue_copies<false>(g2, p.rb2, p.vbpb2, slots, s_active, sw, bars + 32);
     trace_point(p.trace, 6);
-    grid_wait(p.sync, gen);
+    grid_wait(p.sync, target);
+    if (p.router && blockIdx.x == 0)  // every block has read them (before its arrival)
+        for (int e = threadIdx.x; e < experts; e += blockDim.x) st_relaxed_u64(flags + e, 0ull);
 
     // 2. GEMM2's operand: the k pairs' g rows (sorted order), zero over the k padding.
     const int kp2 = p.g2.kg * 64, stride2 = kp2 + 8, inter = p.g2.k;

@@ -56,10 +56,11 @@ __device__ __forceinline__ float router_logit_slice(const float* x, const float*
 // over several): up to `max_groups` groups of router_slices(count) warps (as many as the block
 // holds), group gi computing logit vblock · groups + gi (when below count), slice sums through
 // `part` (one float per warp of shared memory), the group's first warp adding them in order.
-// Every thread of the block must call it (one __syncthreads).
-__device__ __forceinline__ void router_logits_block(const float* x, const float* w, float* logits, int count,
-                                                    int experts, int hidden, float* part, int vblock,
-                                                    int max_groups) {
+// Every thread of the block must call it (one __syncthreads). Returns the logit to the thread
+// that wrote it (lane 0 of the group's first warp), 0 to the others.
+__device__ __forceinline__ float router_logits_block(const float* x, const float* w, float* logits, int count,
+                                                     int experts, int hidden, float* part, int vblock,
+                                                     int max_groups) {
     const int slices = router_slices(count), groups = min((int)(blockDim.x >> 5) / slices, max_groups);
     const int warp = threadIdx.x >> 5, gi = warp / slices, s = warp % slices;
     const int logit = gi < groups ? vblock * groups + gi : count;
@@ -72,7 +73,9 @@ __device__ __forceinline__ void router_logits_block(const float* x, const float*
         float acc = 0.0f;
         for (int i = 0; i < slices; i++) acc += part[gi * slices + i];
         logits[logit] = acc;
+        return acc;
     }
+    return 0.0f;
 }
 
 // Rank key of an f32 in Rust's `f32::total_cmp` order (-NaN < -inf < ... < -0 < +0 < ... <
@@ -113,14 +116,22 @@ __device__ __forceinline__ int warp_top1(KeyOf key_of, int n, u32& taken) {
     return id;
 }
 
+// A logit for topk_token_impl: from L2 (__ldcg), or by a plain load (L2 = false).
+template <bool L2>
+__device__ __forceinline__ float load_logit(const float* p) {
+    if constexpr (L2) return __ldcg(p);
+    else return *p;
+}
+
 // Top-k of one token by one whole warp: logits l[0..E) → ids[0..k), weights[0..k).
 // scoring: 0 softmax, 1 sigmoid; bias may be null. `scratch`: 2·E + 64 floats of shared memory
 // owned by this warp. Logits are read with __ldcg (L2, not L1): in route_small other blocks of
 // the same launch wrote them, and an L1 line of this SM could be stale. NPL > 0 (E <= 32·NPL):
 // each lane keeps its experts' logits, bias and biased scores in registers, its logit and bias
 // loads issued together; NPL = 0: any E <= 1024, through `scratch`. Same arithmetic in the same
-// order either way, so the same bits.
-template <int NPL>
+// order either way, so the same bits. L2 = false: `l` may be in shared memory (plain loads;
+// one_token gathers the logits there).
+template <int NPL, bool L2 = true>
 __device__ __forceinline__ void topk_token_impl(const float* l, const float* bias, int* ids, float* weights,
                                                 float* scratch, int experts, int top_k, int scoring, int n_group,
                                                 int topk_group, int renormalize, float rsf) {
@@ -137,7 +148,7 @@ __device__ __forceinline__ void topk_token_impl(const float* l, const float* bia
 #pragma unroll
         for (int j = 0; j < R; j++) {
             const int e = lane + 32 * j;
-            x[j] = e < experts ? __ldcg(l + e) : 0.0f;
+            x[j] = e < experts ? load_logit<L2>(l + e) : 0.0f;
             b[j] = bias && e < experts ? bias[e] : 0.0f;
         }
         float s[R];
@@ -172,18 +183,18 @@ __device__ __forceinline__ void topk_token_impl(const float* l, const float* bia
     } else {
         if (scoring == 0) {
             float m = -INFINITY;
-            for (int e = lane; e < experts; e += 32) m = fmaxf(m, __ldcg(l + e));
+            for (int e = lane; e < experts; e += 32) m = fmaxf(m, load_logit<L2>(l + e));
             m = warp_max(m);
             float s = 0.0f;
             for (int e = lane; e < experts; e += 32) {
-                float v = expf(__ldcg(l + e) - m);
+                float v = expf(load_logit<L2>(l + e) - m);
                 scores[e] = v;
                 s += v;
             }
             s = warp_sum(s);
             for (int e = lane; e < experts; e += 32) scores[e] = scores[e] / s;
         } else {
-            for (int e = lane; e < experts; e += 32) scores[e] = 1.0f / (1.0f + expf(-__ldcg(l + e)));
+            for (int e = lane; e < experts; e += 32) scores[e] = 1.0f / (1.0f + expf(-load_logit<L2>(l + e)));
         }
         __syncwarp();
         for (int e = lane; e < experts; e += 32) biased[e] = scores[e] + (bias ? bias[e] : 0.0f);
@@ -247,15 +258,19 @@ __device__ __forceinline__ void topk_token_impl(const float* l, const float* bia
 
 // Register top-k up to 128 experts (Qwen3, Nemotron-3 Nano, DeepSeek-V2-Lite's 64), up to 256
 // (DeepSeek-V3), else the shared-memory path.
+template <bool L2 = true>
 __device__ void topk_token(const float* l, const float* bias, int* ids, float* weights, float* scratch,
                            int experts, int top_k, int scoring, int n_group, int topk_group, int renormalize,
                            float rsf) {
     if (experts <= 128)
-        topk_token_impl<4>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
+        topk_token_impl<4, L2>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group,
+                               renormalize, rsf);
     else if (experts <= 256)
-        topk_token_impl<8>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
+        topk_token_impl<8, L2>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group,
+                               renormalize, rsf);
     else
-        topk_token_impl<0>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group, renormalize, rsf);
+        topk_token_impl<0, L2>(l, bias, ids, weights, scratch, experts, top_k, scoring, n_group, topk_group,
+                               renormalize, rsf);
 }
 
 // Top-k of one token (n_group <= 1) by the first `nthreads` threads of the block (a multiple of

@@ -1614,8 +1614,7 @@ impl CudaLayer {
             + p.div_ceil(SORT_CHUNK) * e
             + 1
             + 2
-            + one_token::SYNC_TICKETS
-            + h / 16
+            + one_token::sync_len(h / 16, e)
             + tokens
             + p * h
             + tokens * h
@@ -1676,7 +1675,7 @@ impl CudaLayer {
             sorted: i32s(p)?,
             chunk_counts: i32s(p.div_ceil(SORT_CHUNK) * e)?,
             route_ticket: i32s(1)?,
-            one_token_sync: i32s(one_token::SYNC_TICKETS + h / 16)?,
+            one_token_sync: i32s(one_token::sync_len(h / 16, e))?,
             one_token_trace: st
                 .alloc_zeros::<u64>(one_token::trace_len(self.dev.sms).max(1))
                 .map_err(driver_err("workspace allocation"))?,

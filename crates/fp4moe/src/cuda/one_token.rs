@@ -42,15 +42,20 @@ const fn threads(gated: bool) -> usize {
 pub(super) const OT_HDR_BYTES: usize = 3248;
 /// Most virtual blocks a half waits on (`OT_MAX_GROUPS`, cp.async commit groups).
 pub(super) const OT_MAX_GROUPS: usize = 8;
-/// Where the combine tickets start in the barrier buffer (`OT_TICKETS`; the count and the
-/// generation sit at 0 and 32, a line apart).
+/// Where the combine tickets start in the barrier buffer (`OT_TICKETS`; the barrier's u64
+/// arrival count sits at 0, two lines before them).
 pub(super) const SYNC_TICKETS: usize = 64;
+/// Words of the barrier buffer for `col_blocks` GEMM2 column blocks (H / 16) and `experts`:
+/// the tickets, then from an even word (`OT_LOGIT_FLAGS`) one u64 flag per expert's logit.
+pub(super) const fn sync_len(col_blocks: usize, experts: usize) -> usize {
+    ((SYNC_TICKETS + col_blocks + 1) & !1) + 2 * experts
+}
 /// Timestamps a traced launch records per block (`OT_TRACE_POINTS`), and their names.
 pub(super) const OT_TRACE_POINTS: usize = 9;
 const TRACE_NAMES: [&str; OT_TRACE_POINTS] = [
     "entry",
     "logits + operand row",
-    "barrier 1",
+    "logits gathered",
     "top-k + grouping",
     "GEMM1 copies issued",
     "GEMM1 computed",
@@ -153,7 +158,8 @@ impl OneTokenShape {
         let red = teams * StreamShape::partial_bytes(1, u1);
         let w1 = vbpb1 * StreamShape::weight_bytes(g.rb1, u1, g.kg1);
         let w2 = vbpb2 * StreamShape::weight_bytes(g.rb2, 1, g.kg2);
-        let scratch = (2 * g.experts + 64) * 4;
+        // Top-k's scratch, the gathered logits and the bias (`one_token`'s scratch, slog, sbias).
+        let scratch = (4 * g.experts + 64) * 4;
         let smem_act = OT_HDR_BYTES;
         let smem_red = smem_act + act;
         let smem_w = smem_red + red;
@@ -284,7 +290,9 @@ impl CudaLayer {
     }
 
     /// One block per SM (the registers hold one: 1024 threads at 64 registers, gated 768 at 80),
-    /// where its shared memory fits and the driver confirms that an SM takes it.
+    /// where its shared memory fits and the driver confirms that an SM takes it. The grid is
+    /// always the device's SM count: the kernel's barrier counts arrivals across launches on a
+    /// workspace and waits for the next multiple of the grid size.
     fn one_token_shape(&self, name: &str, gemms: &OneTokenGemms) -> Option<OneTokenShape> {
         let shape = OneTokenShape::new(gemms, self.dev.sms)?;
         if shape.smem > self.dev.max_shared_bytes {
@@ -401,6 +409,15 @@ mod tests {
     fn constants_and_parameters_match_the_kernel() {
         assert_eq!(kernel_define("one_token.cu", "OT_HDR_BYTES"), OT_HDR_BYTES);
         assert_eq!(kernel_define("one_token.cu", "OT_TICKETS"), SYNC_TICKETS);
+        // The logit flags follow the tickets from an even word (the kernel's OT_LOGIT_FLAGS).
+        let text = kernel_text("one_token.cu");
+        assert!(text
+            .contains("#define OT_LOGIT_FLAGS(col_blocks) ((OT_TICKETS + (col_blocks) + 1) & ~1)"));
+        for (cols, experts) in [(168, 128), (180, 128), (3, 64), (64, 512)] {
+            let flags = sync_len(cols, experts) - 2 * experts;
+            assert_eq!(flags % 2, 0);
+            assert!(flags >= SYNC_TICKETS + cols && flags <= SYNC_TICKETS + cols + 1);
+        }
         assert_eq!(
             kernel_define("one_token.cu", "OT_TRACE_POINTS"),
             OT_TRACE_POINTS
@@ -521,7 +538,7 @@ mod tests {
             assert!(s.smem_red + teams(g.gated) * 7 * 32 * 4 * u1 * 4 <= s.smem_w);
             assert!(s.smem_w + s.vbpb1 * g.rb1 * u1 * g.kg1 * 576 <= s.smem);
             assert!(s.smem_w + s.vbpb2 * g.rb2 * g.kg2 * 576 <= s.smem);
-            assert!(s.smem_w + (2 * g.experts + 64) * 4 <= s.smem);
+            assert!(s.smem_w + (4 * g.experts + 64) * 4 <= s.smem);
         }
         // Nemotron at one block per SM: 3 GEMM1 virtual blocks of 2 units per block.
         let s = OneTokenShape::new(&nemotron(2, 2), 132).unwrap();
