@@ -383,28 +383,27 @@ mod tests {
         let sentinel = f32::from_bits(0x7FC0_1234);
         let mut want = vec![sentinel; len];
         dequantize_row_portable(packed, scales, scale_2, &mut want);
-        let mut got = vec![sentinel; len];
-        dequantize_row(packed, scales, scale_2, &mut got);
-        compare_bits(
-            packed,
-            scales,
-            scale_2,
-            &want,
-            &got,
-            &format!("{what}, dispatched"),
-        );
-        #[cfg(target_arch = "x86_64")]
-        if let Some(a) = avx2::Avx2::detect() {
+        // One path's output, written over the sentinel, against the portable one.
+        let check = |path: &str, run: &dyn Fn(&mut [f32])| {
             let mut got = vec![sentinel; len];
-            a.dequantize_row(packed, scales, scale_2, &mut got);
+            run(&mut got);
             compare_bits(
                 packed,
                 scales,
                 scale_2,
                 &want,
                 &got,
-                &format!("{what}, avx2"),
+                &format!("{what}, {path}"),
             );
+        };
+        check("dispatched", &|out| {
+            dequantize_row(packed, scales, scale_2, out)
+        });
+        #[cfg(target_arch = "x86_64")]
+        if let Some(a) = avx2::Avx2::detect() {
+            check("avx2", &|out| {
+                a.dequantize_row(packed, scales, scale_2, out)
+            });
         }
     }
 
