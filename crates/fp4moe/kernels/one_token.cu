@@ -106,6 +106,16 @@ __device__ __forceinline__ void trace_point(unsigned long long* trace, int i) {
     if (trace && threadIdx.x == 0) trace[blockIdx.x * OT_TRACE_POINTS + i] = global_ns();
 }
 
+// Relaxed gpu-scope u64 accesses (the barrier's count, the logit flags).
+__device__ __forceinline__ void st_relaxed_u64(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Grid barrier in two halves, so a block can issue GEMM2's copies between them: a monotonic
 // u64 count of block arrivals at sync[OT_COUNT] (never reset; every launch adds G, so launch n
 // finds n·G at entry: G is the device's SM count on every launch, see one_token_shape). Before
@@ -121,11 +131,8 @@ __device__ __forceinline__ void trace_point(unsigned long long* trace, int i) {
 __device__ __forceinline__ unsigned long long grid_arrive(unsigned* sync) {
     unsigned long long* count = reinterpret_cast<unsigned long long*>(sync + OT_COUNT);
     unsigned long long target = 0;
-    if (threadIdx.x == 0) {  // before the block's arrival, which follows the block barrier
-        unsigned long long c;
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(c) : "l"(count) : "memory");
-        target = (c / gridDim.x + 1) * gridDim.x;
-    }
+    if (threadIdx.x == 0)  // before the block's arrival, which follows the block barrier
+        target = (ld_relaxed_u64(count) / gridDim.x + 1) * gridDim.x;
     __syncthreads();
     if (threadIdx.x == 32) {
         __threadfence();
@@ -155,14 +162,6 @@ __device__ __forceinline__ void grid_wait(const unsigned* sync, unsigned long lo
 // before the polls, and top-k then read the logits again (runs 86–90: barrier 1 passed ~1.8 µs
 // after the logits). Relaxed accesses: the logit's bits travel in the flag itself.
 #define OT_LOGIT_FLAGS(col_blocks) ((OT_TICKETS + (col_blocks) + 1) & ~1)
-__device__ __forceinline__ void st_relaxed_u64(unsigned long long* p, unsigned long long v) {
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
-    unsigned long long v;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
 
 // Warp 0: the `experts` logits from their flags into `slog` (shared memory), eight per lane in
 // flight at a time; traps after OT_BARRIER_TIMEOUT_NS like the barrier.
