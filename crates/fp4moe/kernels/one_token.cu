@@ -483,12 +483,19 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
 
     // 2. GEMM2's operand: the k pairs' g rows (sorted order), zero over the k padding.
     const int kp2 = p.g2.kg * 64, stride2 = kp2 + 8, inter = p.g2.k;
-    for (int r = warp; r < k; r += blockDim.x >> 5) {
-        const __nv_bfloat16* src = p.g1.g_out + (size_t)r * inter;
-        for (int c8 = lane; c8 < kp2 / 8; c8 += 32) {
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (c8 * 8 < inter) v = __ldcg(reinterpret_cast<const uint4*>(src + c8 * 8));
-            *reinterpret_cast<uint4*>(sact + r * stride2 + c8 * 8) = v;
+    // Two 16-byte pieces per thread per pass, both loads before either store: one L2 round
+    // trip for Nemotron's 6 x 232 pieces.
+    {
+        const int c8n = kp2 / 8, total = k * c8n;
+        for (int i = threadIdx.x; i < total; i += 2 * blockDim.x) {
+            const int j = i + blockDim.x;
+            const int r0 = i / c8n, c0 = i - r0 * c8n, r1 = j / c8n, c1 = j - r1 * c8n;
+            uint4 v0 = make_uint4(0, 0, 0, 0), v1 = make_uint4(0, 0, 0, 0);
+            if (c0 * 8 < inter) v0 = __ldcg(reinterpret_cast<const uint4*>(p.g1.g_out + (size_t)r0 * inter + c0 * 8));
+            if (j < total && c1 * 8 < inter)
+                v1 = __ldcg(reinterpret_cast<const uint4*>(p.g1.g_out + (size_t)r1 * inter + c1 * 8));
+            *reinterpret_cast<uint4*>(sact + r0 * stride2 + c0 * 8) = v0;
+            if (j < total) *reinterpret_cast<uint4*>(sact + r1 * stride2 + c1 * 8) = v1;
         }
     }
     __syncthreads();
