@@ -888,18 +888,20 @@ pub enum GemmPath {
 pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
 
 /// Mean tokens per expert, in quarters, from which the prefill kernels take over once a batch
-/// has [`PREFILL_SPARSE_MIN_PAIRS`] routed pairs (2: from 0.5 tokens per expert). Measured
-/// (docs/KERNEL_NOTES.md runs 66–67, 71 and 73): with the 32-token tiles' 8-column MMAs (run
-/// 71) the prefill path beats the decode kernels on Qwen3-30B-A3B (E 128, top-8) at 8 and 10
-/// tokens (0.5 and 0.625 per expert) by 6 %, and on Nemotron-3 Nano (E 128, top-6) at 11 and 14
-/// tokens by 10 and 4 %, 5 % slower at 12 (run 73); from 16 tokens by 2–7 % (runs 66–67: 0.75,
-/// the rule before run 73).
-pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 2;
+/// has [`PREFILL_SPARSE_MIN_PAIRS`] routed pairs (1: from 0.25 tokens per expert). Measured
+/// (docs/KERNEL_NOTES.md run 96, µs, decode kernels against forced prefill): Nemotron-3 Nano
+/// (E 128, top-6) 3 tokens 69.2 / 84.0, 4 tokens 87.7 / 85.4, 6 106.2 / 96.7, 8 131.1 / 124.1,
+/// 10 146.5 / 132.1; Qwen3-30B-A3B (E 128, top-8) 3 tokens 63.7 / 65.5, 4 68.8 / 67.4, 6
+/// 77.4 / 72.4. So from 32 pairs (Nemotron 6 tokens, Qwen3 4) the 32-token tiles win by 2–10 %,
+/// at 24 pairs the decode kernels by 3 % on Qwen3 (Nemotron's 4 tokens, 24 pairs, would gain
+/// 3 % and stays on decode). Was 0.5 per expert from 64 pairs (runs 71–73, before the 8-column
+/// tiles' gains at small batches were measured here); 256 experts are not measured.
+pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 1;
 
 /// Routed pairs from which [`PREFILL_FROM_QUARTERS_PER_EXPERT`] applies: below, the 3-per-expert
 /// rule stands, so layers with few experts keep the streaming decode kernels for one or two
 /// tokens (not re-measured there).
-pub const PREFILL_SPARSE_MIN_PAIRS: usize = 64;
+pub const PREFILL_SPARSE_MIN_PAIRS: usize = 32;
 
 /// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
 /// tiles are faster at 24, slower at 48; run 15).
@@ -2905,16 +2907,16 @@ mod tests {
     #[test]
     fn gemm_path_follows_tokens_per_expert_and_shared_memory() {
         let h200 = 227 * 1024;
-        // Nemotron-3 Nano (E 128, top-6): 10 tokens = 60 pairs (below 64), 11 = 66 pairs
-        // (0.52 per expert); Qwen3 (E 128, top-8): 8 tokens = 64 pairs = 0.5 per expert.
-        assert_eq!(GemmPath::choose(10 * 6, 128, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(11 * 6, 128, h200, None), GemmPath::Prefill);
-        assert_eq!(GemmPath::choose(7 * 8, 128, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(8 * 8, 128, h200, None), GemmPath::Prefill);
-        // 256 experts (top-8): 0.5 per expert is 128 pairs, 16 tokens.
-        assert_eq!(GemmPath::choose(127, 256, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(128, 256, h200, None), GemmPath::Prefill);
-        // Few experts: 3 tokens per expert below 64 pairs (8 experts, top-8: one token, 8
+        // Nemotron-3 Nano (E 128, top-6): 5 tokens = 30 pairs (below 32), 6 = 36 pairs
+        // (0.28 per expert); Qwen3 (E 128, top-8): 4 tokens = 32 pairs = 0.25 per expert.
+        assert_eq!(GemmPath::choose(5 * 6, 128, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(6 * 6, 128, h200, None), GemmPath::Prefill);
+        assert_eq!(GemmPath::choose(3 * 8, 128, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(4 * 8, 128, h200, None), GemmPath::Prefill);
+        // 256 experts (top-8): 0.25 per expert is 64 pairs, 8 tokens.
+        assert_eq!(GemmPath::choose(63, 256, h200, None), GemmPath::Decode);
+        assert_eq!(GemmPath::choose(64, 256, h200, None), GemmPath::Prefill);
+        // Few experts: 3 tokens per expert below 32 pairs (8 experts, top-8: one token, 8
         // pairs, stays on the decode kernels; 24 pairs = 3 per expert take prefill).
         assert_eq!(GemmPath::choose(8, 8, h200, None), GemmPath::Decode);
         assert_eq!(GemmPath::choose(23, 8, h200, None), GemmPath::Decode);
