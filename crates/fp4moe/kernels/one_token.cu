@@ -397,7 +397,7 @@ __device__ __forceinline__ void one_token(const OneTokenParams& p) {
     float* red = reinterpret_cast<float*>(smem + p.smem_red);
     u8* sw = smem + p.smem_w;
     u64* bars = reinterpret_cast<u64*>(smem + OT_BARS_BYTE);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     const int experts = p.experts, k = p.top_k, hidden = p.g1.k;
     trace_point(p.trace, 0);
 #if OT_BULK
