@@ -555,8 +555,11 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 #endif
         cp_async_wait<AHEAD - 1>();  // chunk c has landed
 #if PF_WGMMA
-        fence_proxy_async();
+        // cp.async-fed activations (generic proxy) before the wgmmas read them (async proxy). The
+        // TMA feeds' boxes are async-proxy writes and the weights are read back by ld.shared:
+        // no proxy crossing, so no fence (it cost a MEMBAR.ALL.CTA per chunk and thread).
         if (TMA) mbar_wait<TMA == 2>(bars + rd, phase);
+        else fence_proxy_async();
 #endif
         __syncthreads();
         const int cn = c + AHEAD;
