@@ -39,7 +39,7 @@
 // Shared memory (byte offsets from the host): header (OT_HDR_BYTES: ids, weights, sorted pairs,
 // active experts, counts, logit slices, offsets [E + 1], the virtual blocks' mbarriers) | operand rows at smem_act (GEMM1: one
 // row [kp1 + 8] bf16; GEMM2: k rows [kp2 + 8]) | split-K partials at smem_red (per team) |
-// virtual-block regions at smem_w (region i: rb·U units' data then scales, expert_stream.cuh),
+// virtual-block regions at smem_w (128-byte aligned; region i: rb·U units' data then scales, expert_stream.cuh),
 // which top-k's scratch ([2E + 64] floats) uses before any copy lands there.
 #include "expert_stream.cuh"
 #include "routing.cuh"
