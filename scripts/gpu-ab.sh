@@ -20,6 +20,8 @@ set -u
 OUT="${OUT:-/tmp/out}"; R=/tmp/res; mkdir -p "$R" "$OUT"
 trap 'tar czf "$OUT/res.tgz" -C /tmp res' EXIT
 export FP4MOE_REQUIRE_GPU=1 FP4MOE_GOLDEN_DIR="$PWD/.gpu/golden" RUST_BACKTRACE=1
+# The CLI tests run the staged binary (there is no cargo target directory here).
+export FP4MOE_BIN="${FP4MOE_BIN:-$PWD/.gpu/fp4moe}"
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 deadline=${AB_DEADLINE:-540}
 variants=${AB_VARIANTS:-"new=.gpu/fp4moe"}
