@@ -15,7 +15,10 @@
 # test name filters; default all), AB_MODES (w4a16; e.g. "w4a16 w4a4"), AB_SANITIZER (compute-sanitizer
 # tools run beside the tests, before the benches, e.g. "memcheck racecheck synccheck", on
 # cuda_device's tests named by AB_SANITIZER_FILTER, default one_token; options of a tool after
-# commas; AB_SANITIZER_TIMEOUT, 200 s). Prints the medians of every A/B run last.
+# commas; AB_SANITIZER_TIMEOUT, 200 s), AB_BENCH_ARGS (more `fp4moe bench` arguments, e.g.
+# --stages). Timing-only ablation variants (a build with docs/experiments/prefill-ablate.patch):
+# BIN@FP4MOE_DEFINES=PF_ABLATE_EPI+PF_ABLATE_ACT (defines joined by +). Prints the medians of
+# every A/B run last.
 set -u
 OUT="${OUT:-/tmp/out}"; R=/tmp/res; mkdir -p "$R" "$OUT"
 trap 'tar czf "$OUT/res.tgz" -C /tmp res' EXIT
@@ -39,12 +42,15 @@ run_variant() {
   timeout 240 env FP4MOE_CACHE_DIR="$(kernel_cache "$bin")" "${env[@]}" "$bin" "$@"
 }
 
-# Each binary's kernels once (variants of one binary share its cache).
+# Each binary's kernels once per set of FP4MOE_DEFINES (variants of one binary share its cache;
+# timing-only ablation builds, docs/experiments/prefill-ablate.patch, differ in their defines).
 declare -A seen
 for v in $variants; do
-  b=${v#*=}; b=${b%%@*}
-  [ -n "${seen[$b]:-}" ] && continue; seen[$b]=1
-  run_variant "${v%%@*}" compile-kernels > "$R/compile-${v%%=*}.txt" 2>&1 &
+  b=${v#*=}; b=${b%%@*}; d=""
+  [[ "$v" =~ FP4MOE_DEFINES=([^,]*) ]] && d=${BASH_REMATCH[1]}
+  [ -n "${seen[$b@$d]:-}" ] && continue; seen[$b@$d]=1
+  if [ -n "$d" ]; then spec="${v%%@*}@FP4MOE_DEFINES=$d"; else spec="${v%%@*}"; fi
+  run_variant "$spec" compile-kernels > "$R/compile-${v%%=*}.txt" 2>&1 &
 done
 wait
 echo "compiled at $(el) s" >> "$R/progress.txt"
@@ -101,7 +107,7 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
         [ "$(el)" -gt "$deadline" ] && break 4
         tag="${v%%=*}-$preset$([ "$mode" = w4a16 ] || echo "-$mode")-r$r"
         run_variant "$v" bench --preset "$preset" --mode "$mode" --tokens "${AB_TOKENS:-1,8,64,256,1024,4096,16384}" \
-          --backend cuda --json "$R/ab-$tag.json" > "$R/ab-$tag.txt" 2>&1
+          --backend cuda ${AB_BENCH_ARGS:-} --json "$R/ab-$tag.json" > "$R/ab-$tag.txt" 2>&1
       done
     done
   done
