@@ -81,6 +81,10 @@ static_assert(PF_MMA_DEPTH >= 1 && PF_MMA_DEPTH <= 3, "frag holds four steps; th
 #define PF_NT_WIDE 256      // wide tiles (prefill_wide_*, TMA only): 8 warps, 8 slots (128 rows)
 #define PF_THREADS_WIDE 256
 #define PF_RING_OFFSET 3072  // below it: the row table, the tile, the barriers, the tokens' pairs
+// Rows of one TMA box (64 k wide): 32 for the 32-token tiles (one box per chunk, also for their
+// 8- and 16-column tiles, whose extra rows are computed into columns nobody stores), else 64
+// (the host's tensor_map builds the map with the same box).
+#define PF_BOX_ROWS(NT) ((NT) == PF_NT_SMALL ? PF_NT_SMALL : 64)
 
 
 // Bytes of one ring stage of an NT-token tile over SLOTS 16-row slots: the activation rows (128
@@ -495,7 +499,9 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
             w_cur[r] += w_step[r];
         }
 #if PF_WGMMA
-        if (TMA && tid == 0) {
+        // The 32-token tiles' issuing thread rotates over the warps: one warp issuing every
+        // chunk's box would be the last at every block barrier.
+        if (TMA && tid == (NT == PF_NT_SMALL ? (c % WARPS) * 32 : 0)) {
             // Chunk c's activation rows base + t0 .. + NC - 1 (multicast: + NT - 1, half from
             // each CTA; zero past K, and past the map's rows; rows of the next expert are
             // computed into columns nobody stores).
@@ -505,10 +511,14 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
                 const u32 r = cluster_rank();
                 tma_load_box<true>(dst + r * 64 * 128, tm, c * 64, base + t0 + 64 * r, full);
             } else {
-                static_assert(TMA == 0 || NC % 64 == 0, "TMA tiles load whole 64-row boxes");
-                mbar_expect_tx(full, NC * 128);
+                // Boxes of PF_BOX_ROWS(NT) rows (the host's tensor map): whole swizzle atoms of
+                // 8 rows x 128 bytes, so consecutive boxes lay the tile out as one box would.
+                constexpr int BOX = PF_BOX_ROWS(NT), ROWS = NC < BOX ? BOX : NC;
+                static_assert(TMA == 0 || (ROWS % BOX == 0 && ROWS <= NT), "TMA tiles load whole boxes");
+                mbar_expect_tx(full, ROWS * 128);
 #pragma unroll
-                for (int r = 0; r < NC / 64; r++) tma_load_box<false>(dst + r * 64 * 128, tm, c * 64, base + t0 + 64 * r, full);
+                for (int r = 0; r < ROWS / BOX; r++)
+                    tma_load_box<false>(dst + r * BOX * 128, tm, c * 64, base + t0 + BOX * r, full);
             }
         }
 #endif
@@ -706,6 +716,19 @@ PREFILL(prefill_gemm2, false, 2, PF_NT, PF_THREADS, 1)
 PREFILL(prefill_small_gemm1_gated, true, 1, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
 PREFILL(prefill_small_gemm1_plain, false, 1, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
 PREFILL(prefill_small_gemm2, false, 2, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
+// The same tiles with their activation rows by TMA (8-row boxes from the sorted rows): no
+// cp.async per thread for them and no proxy fence per chunk (KERNEL_NOTES run 99: the fence
+// alone is 2-3.7 % of the layer at 64-256 tokens).
+#define PREFILL_SMALL_TMA(NAME, GATED, STAGE)                                                        \
+    extern "C" __global__ void __launch_bounds__(PF_THREADS_SMALL, PF_SMALL_BLOCKS)                  \
+        NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
+        pdl_wait();                                                                                  \
+        pdl_launch_dependents();                                                                     \
+        prefill_body<GATED, STAGE, PF_NT_SMALL, 16, 2, 1>(p, &tm);                                   \
+    }
+PREFILL_SMALL_TMA(prefill_small_tma_gemm1_gated, true, 1)
+PREFILL_SMALL_TMA(prefill_small_tma_gemm1_plain, false, 1)
+PREFILL_SMALL_TMA(prefill_small_tma_gemm2, false, 2)
 // 128-token tiles whose activation rows (in sorted order: GEMM1 reads a gathered copy) come by
 // TMA from `tm`: CLUSTER 1, or 2 (grid x even; the two CTAs of a cluster share the token tile
 // and multicast half of it each).

@@ -237,6 +237,16 @@ fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
         let (fed, _) = run_device(&layer, &x, &logits);
         assert!(same_bits(&out, &fed), "prefill feed {feed:?} differs");
     }
+    // The 32-token tiles' two feeds (TMA in 32-row boxes where it applies, cp.async).
+    layer.set_prefill_tile(Some(PrefillTile::Small));
+    for feed in [PrefillFeed::Tma, PrefillFeed::CpAsync] {
+        layer.set_prefill_feed(Some(feed));
+        let (fed, _) = run_device(&layer, &x, &logits);
+        assert!(
+            same_bits(&out, &fed),
+            "32-token tiles fed by {feed:?} differ"
+        );
+    }
     layer.set_prefill_feed(None);
     // Every token tile of the prefill kernels, forced (on sm_90a the 256-token tiles run every
     // column width, 64 to 256, and, forced, also where K < 1024; the dual tiles, two 128-token

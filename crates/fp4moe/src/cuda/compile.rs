@@ -127,6 +127,9 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "prefill_small_gemm1_gated",
             "prefill_small_gemm1_plain",
             "prefill_small_gemm2",
+            "prefill_small_tma_gemm1_gated",
+            "prefill_small_tma_gemm1_plain",
+            "prefill_small_tma_gemm2",
             "prefill_tma1_gemm1_gated",
             "prefill_tma1_gemm1_plain",
             "prefill_tma1_gemm2",
@@ -480,10 +483,15 @@ mod tests {
                 assert!(src.contains(base), "{file} lacks {n}");
             }
             if file == "prefill_gemm.cu" {
-                let n = ["\nPREFILL(", "\nPREFILL_TMA(", "\nPREFILL_SLOTS8("]
-                    .iter()
-                    .map(|m| src.matches(m).count())
-                    .sum::<usize>();
+                let n = [
+                    "\nPREFILL(",
+                    "\nPREFILL_TMA(",
+                    "\nPREFILL_SLOTS8(",
+                    "\nPREFILL_SMALL_TMA(",
+                ]
+                .iter()
+                .map(|m| src.matches(m).count())
+                .sum::<usize>();
                 assert_eq!(n, names.len(), "{file}");
             } else if file == "expert_stream.cu" {
                 let n = src.matches("\nSTREAM(").count();

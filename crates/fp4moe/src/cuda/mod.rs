@@ -997,6 +997,16 @@ impl PrefillTile {
         }
     }
 
+    /// Rows of one TMA box of the tile's activation feed (`prefill_gemm.cu`'s `PF_BOX_ROWS`):
+    /// 32 for the 32-token tiles (their 8- and 16-column tiles load the whole box too); 64 for
+    /// the others, whose widths are multiples of 64.
+    pub const fn box_rows(self) -> u32 {
+        match self {
+            PrefillTile::Small => 32,
+            _ => 64,
+        }
+    }
+
     /// Whether the tile's kernels exist only TMA-fed with one CTA (the 8-slot wide and dual
     /// tiles: no cp.async or multicast variants).
     pub const fn tma_only(self) -> bool {
@@ -1068,7 +1078,7 @@ impl PrefillTile {
 
 impl PrefillGemm {
     /// The kernel that runs this GEMM on `tile` fed by `feed` (static names: no allocation per
-    /// launch); `None` for the pairs no kernel implements: TMA on 32-token tiles, wide and dual
+    /// launch); `None` for the pairs no kernel implements: multicast on 32-token tiles, wide and dual
     /// tiles fed by cp.async or multicast ([`PrefillTile::for_feed`] and [`PrefillFeed::choose`] never
     /// pick them).
     fn kernel(self, tile: PrefillTile, feed: PrefillFeed) -> Option<&'static str> {
@@ -1079,6 +1089,9 @@ impl PrefillGemm {
             (Small, CpAsync, Gemm1Gated) => "prefill_small_gemm1_gated",
             (Small, CpAsync, Gemm1Plain) => "prefill_small_gemm1_plain",
             (Small, CpAsync, Gemm2) => "prefill_small_gemm2",
+            (Small, Tma, Gemm1Gated) => "prefill_small_tma_gemm1_gated",
+            (Small, Tma, Gemm1Plain) => "prefill_small_tma_gemm1_plain",
+            (Small, Tma, Gemm2) => "prefill_small_tma_gemm2",
             (Large, CpAsync, Gemm1Gated) => "prefill_gemm1_gated",
             (Large, CpAsync, Gemm1Plain) => "prefill_gemm1_plain",
             (Large, CpAsync, Gemm2) => "prefill_gemm2",
@@ -1094,9 +1107,7 @@ impl PrefillGemm {
             (Dual, Tma, Gemm1Gated) => "prefill_dual_gemm1_gated",
             (Dual, Tma, Gemm1Plain) => "prefill_dual_gemm1_plain",
             (Dual, Tma, Gemm2) => "prefill_dual_gemm2",
-            (Small, Tma | TmaMulticast, _) | (Wide | Dual, CpAsync | TmaMulticast, _) => {
-                return None
-            }
+            (Small, TmaMulticast, _) | (Wide | Dual, CpAsync | TmaMulticast, _) => return None,
         })
     }
 }
@@ -1127,11 +1138,11 @@ impl PrefillFeed {
     }
 
     /// The feed for `tile` over an operand of `rows` rows of K = `k` bf16 and `row_tiles`
-    /// weight-row tiles on `arch`: TMA needs sm_90a, the 128- or 256-token tiles, a row stride
-    /// that is a multiple of 16 bytes and an operand at least one box (64 × 64) large;
+    /// weight-row tiles on `arch`: TMA needs sm_90a, a row stride that is a multiple of 16
+    /// bytes and an operand at least one box (64 k × [`PrefillTile::box_rows`]) large;
     /// multicast pairs row tiles, so it needs an even count (an odd one would add a tile of zero
-    /// rows), and runs on the 128-token tiles (not the dual ones) only. Every feed uses the tile's ring
-    /// ([`PrefillTile::shared_bytes`]).
+    /// rows), and runs on the 128-token tiles (not the dual, wide or 32-token ones) only. Every
+    /// feed uses the tile's ring ([`PrefillTile::shared_bytes`]).
     pub fn choose(
         tile: PrefillTile,
         k: usize,
@@ -1140,11 +1151,15 @@ impl PrefillFeed {
         arch: &str,
         forced: Option<Self>,
     ) -> Self {
-        if tile == PrefillTile::Small || arch != "sm_90a" || k % 8 != 0 || k < 64 || rows < 64 {
+        if arch != "sm_90a" || k % 8 != 0 || k < 64 || rows < tile.box_rows() as usize {
             return PrefillFeed::CpAsync;
         }
         match forced.unwrap_or(PrefillFeed::Tma) {
-            PrefillFeed::TmaMulticast if row_tiles % 2 == 1 || tile.tma_only() => PrefillFeed::Tma,
+            PrefillFeed::TmaMulticast
+                if row_tiles % 2 == 1 || tile.tma_only() || tile == PrefillTile::Small =>
+            {
+                PrefillFeed::Tma
+            }
             feed => feed,
         }
     }
@@ -1186,7 +1201,7 @@ struct SortedRows {
 
 /// 2D tensor map of `rows` (bf16, `k` valid columns): boxes of 64 k × 64 rows, 128-byte
 /// swizzle (what `smem_desc_sw128` reads), zero fill past K and past the last row.
-fn tensor_map(rows: SortedRows, k: usize) -> Result<dsys::CUtensorMap> {
+fn tensor_map(rows: SortedRows, k: usize, box_rows: u32) -> Result<dsys::CUtensorMap> {
     use dsys::{
         CUtensorMapDataType_enum as Ty, CUtensorMapFloatOOBfill_enum as Oob,
         CUtensorMapInterleave_enum as Il, CUtensorMapL2promotion_enum as L2,
@@ -1194,7 +1209,7 @@ fn tensor_map(rows: SortedRows, k: usize) -> Result<dsys::CUtensorMap> {
     };
     let dims: [u64; 2] = [k as u64, rows.rows.max(1) as u64];
     let strides: [u64; 1] = [(rows.stride * 2) as u64];
-    let boxes: [u32; 2] = [64, 64];
+    let boxes: [u32; 2] = [64, box_rows];
     let steps: [u32; 2] = [1, 1];
     // SAFETY: `map` is a plain 128-byte struct the call fills; the arrays hold rank (2) and
     // rank - 1 entries as the API requires; `ptr` is a device address the map only records.
@@ -2160,13 +2175,14 @@ impl CudaLayer {
         if feed == PrefillFeed::CpAsync {
             return self.launch_gemm(name, cfg, params);
         }
-        let map = tensor_map(sorted_rows, params.k as usize).map_err(|e| match e {
-            Error::Cuda { stage, message } => Error::Cuda {
-                stage,
-                message: format!("{name}: {message}"),
-            },
-            e => e,
-        })?;
+        let map =
+            tensor_map(sorted_rows, params.k as usize, tile.box_rows()).map_err(|e| match e {
+                Error::Cuda { stage, message } => Error::Cuda {
+                    stage,
+                    message: format!("{name}: {message}"),
+                },
+                e => e,
+            })?;
         let mut args: [*mut c_void; 2] = [
             &params as *const GemmParams as *mut c_void,
             &map as *const dsys::CUtensorMap as *mut c_void,
@@ -2193,6 +2209,13 @@ impl CudaLayer {
         let tile = PrefillTile::choose(pairs, slots, self.dev.max_shared_bytes, forced_tile);
         let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
         let choose = |tile: PrefillTile| {
+            // The 32-token tiles' GEMM1 gathers its rows by cp.async unless a feed is forced: its
+            // TMA feed needs the k-fold sorted copy of the input (invert_pairs and
+            // prepare_input_sorted, ~3.5 µs at 8-256 tokens in run 102), while GEMM2's operand,
+            // GEMM1's output, is in sorted order already.
+            if tile == PrefillTile::Small && forced.is_none() && gemm != PrefillGemm::Gemm2 {
+                return PrefillFeed::CpAsync;
+            }
             let row_tiles = rg.div_ceil(tile.row_groups(gemm));
             PrefillFeed::choose(tile, k, pairs, row_tiles, &self.dev.arch, forced)
         };
@@ -3245,8 +3268,14 @@ mod tests {
         let d = PrefillTile::Dual;
         assert_eq!(choose(d, 2688, 8, "sm_90a", Some(TmaMulticast)), Tma);
         assert_eq!(choose(d, 2688, 8, "sm_80", None), CpAsync);
+        // 32-token tiles: TMA (32-row boxes) from 32 operand rows, never multicast.
+        assert_eq!(choose(sm, 2688, 8, "sm_90a", None), Tma);
+        assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(TmaMulticast)), Tma);
+        assert_eq!(choose(sm, 2688, 8, "sm_80", None), CpAsync);
+        assert_eq!(PrefillFeed::choose(sm, 2688, 32, 8, "sm_90a", None), Tma);
+        assert_eq!(PrefillFeed::choose(sm, 2688, 31, 8, "sm_90a", None), CpAsync);
+        assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(CpAsync)), CpAsync);
         // Not applicable: cp.async whatever was asked for.
-        assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(Tma)), CpAsync);
         assert_eq!(choose(l, 2688, 8, "sm_90", Some(Tma)), CpAsync);
         assert_eq!(choose(l, 2688, 8, "sm_80", None), CpAsync);
         assert_eq!(choose(l, 2692, 8, "sm_90a", None), CpAsync);
@@ -3256,7 +3285,7 @@ mod tests {
         assert_eq!(few_rows, CpAsync);
         assert_eq!(TmaMulticast.cluster(), 2);
         assert_eq!(Tma.cluster(), 1);
-        for (tile, feed) in [(l, Tma), (l, TmaMulticast), (w, Tma), (d, Tma)] {
+        for (tile, feed) in [(l, Tma), (l, TmaMulticast), (w, Tma), (d, Tma), (sm, Tma)] {
             for gemm in [
                 PrefillGemm::Gemm1Gated,
                 PrefillGemm::Gemm1Plain,
@@ -3266,6 +3295,7 @@ mod tests {
                 assert_eq!(name.contains("tma2"), feed == TmaMulticast, "{name}");
                 assert_eq!(name.contains("wide"), tile == w, "{name}");
                 assert_eq!(name.contains("dual"), tile == d, "{name}");
+                assert_eq!(name.contains("small"), tile == sm, "{name}");
             }
         }
     }
@@ -3287,7 +3317,7 @@ mod tests {
                 ] {
                     let valid = matches!(
                         (tile, feed),
-                        (Small, CpAsync) | (Large, _) | (Wide | Dual, Tma)
+                        (Small, CpAsync | Tma) | (Large, _) | (Wide | Dual, Tma)
                     );
                     match gemm.kernel(tile, feed) {
                         Some(name) => {
