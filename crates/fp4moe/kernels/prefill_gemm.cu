@@ -31,10 +31,12 @@
 // not skipped. Other archs: mma.sync m16n8k16 over N/8 column tiles of the same shared layout.
 // Both leave the accumulators in the fragment order the epilogues expect.
 //
-// TMA feed (prefill_tma*, prefill_wide_*, prefill_dual_*, sm_90a): the activation rows are read in sorted pair
-// order from a tensor map (GEMM1's operand written in that order by prepare_input_sorted, or
-// copied by gather_rows), thread 0 loading each
-// chunk's NC x 64 box with one TMA box per 64 columns onto the stage's mbarrier, in the
+// TMA feed (prefill_tma*, prefill_wide_*, prefill_dual_*, prefill_small_tma_*, sm_90a): the
+// activation rows are read in sorted pair order from a tensor map (GEMM1's operand written in
+// that order by prepare_input_sorted, or copied by gather_rows; GEMM2's is GEMM1's output), one
+// thread loading each chunk's NC x 64 tile (thread 0; on the 32-token tiles the first thread of
+// warp c % 8, and one 32-row box whatever NC) in boxes of PF_BOX_ROWS rows onto the stage's
+// mbarrier, in the
 // 128-byte-swizzled layout of smem_desc_sw128 (row n at n·128 bytes, 16-byte pieces XORed with
 // n % 8). The weights keep their cp.async copies. prefill_tma2_*: 2-CTA clusters sharing the
 // token tile, each CTA multicasting its half of the box to both (KERNEL_NOTES run 38: slower).
@@ -84,7 +86,10 @@ static_assert(PF_MMA_DEPTH >= 1 && PF_MMA_DEPTH <= 3, "frag holds four steps; th
 // Rows of one TMA box (64 k wide): 32 for the 32-token tiles (one box per chunk, also for their
 // 8- and 16-column tiles, whose extra rows are computed into columns nobody stores), else 64
 // (the host's tensor_map builds the map with the same box).
-#define PF_BOX_ROWS(NT) ((NT) == PF_NT_SMALL ? PF_NT_SMALL : 64)
+#define PF_BOX_ROWS_SMALL 32
+#define PF_BOX_ROWS_LARGE 64
+#define PF_BOX_ROWS(NT) ((NT) == PF_NT_SMALL ? PF_BOX_ROWS_SMALL : PF_BOX_ROWS_LARGE)
+static_assert(PF_BOX_ROWS_SMALL <= PF_NT_SMALL && PF_BOX_ROWS_LARGE <= PF_NT, "a box fits its tile's ring stage");
 
 
 // Bytes of one ring stage of an NT-token tile over SLOTS 16-row slots: the activation rows (128
@@ -163,7 +168,7 @@ __device__ __forceinline__ u32 cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// Box (64 k, 64 rows) of the 2D tensor map `map` at (k0, row0) → `dst`, completing on `bar`;
+// Box (64 k, the map's box rows) of the 2D tensor map `map` at (k0, row0) → `dst`, completing on `bar`;
 // MULTICAST: into `dst` of both CTAs of the cluster, completing on each one's `bar`.
 template <bool MULTICAST>
 __device__ __forceinline__ void tma_load_box(void* dst, const void* map, int k0, int row0, u64* bar) {
@@ -431,7 +436,7 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
 
 // One tile of NC (16 to 256, at most NT) token columns: the k loop and the epilogue. HALVES:
 // slots per warp (1: SLOTS warps, 2: SLOTS / 2). TMA: how the activation tile arrives — 0:
-// gathered by every thread's cp.async through `srow`; 1: one TMA box per 64 columns from `tm`
+// gathered by cp.async through `srow`; 1: boxes of PF_BOX_ROWS(NT) rows from `tm`
 // (the rows in sorted order, 128-byte swizzle), completing on `bars`; 2: as 1, the box of each
 // CTA of a 2-CTA cluster multicast to both (each L2 read feeds two SMs).
 template <bool GATED, int STAGE, int NC, int NT, int SLOTS, int HALVES, int TMA>
@@ -449,7 +454,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     // Copies of a chunk: NC·8 activation pieces (cp.async feed), then SLOTS x 32 data and
     // SLOTS x 4 scale pieces of weights. Each thread's pieces are the same every chunk but for a
     // k offset, so each has a cursor resolved once here and advanced by a fixed step per chunk
-    // (chunks are staged in order): a chunk costs a few adds, no branches and a cp.async per
+    // (chunks are staged in order): a chunk costs a few adds, warp-uniform branches and a cp.async per
     // piece.
     constexpr int A_PIECES = TMA ? 0 : NC * 8, A_COPIES = (A_PIECES + THREADS - 1) / THREADS;
     constexpr int W_PIECES = SLOTS * 36;
@@ -716,7 +721,7 @@ PREFILL(prefill_gemm2, false, 2, PF_NT, PF_THREADS, 1)
 PREFILL(prefill_small_gemm1_gated, true, 1, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
 PREFILL(prefill_small_gemm1_plain, false, 1, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
 PREFILL(prefill_small_gemm2, false, 2, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_BLOCKS)
-// The same tiles with their activation rows by TMA (8-row boxes from the sorted rows): no
+// The same tiles with their activation rows by TMA (a 32-row box from the sorted rows): no
 // cp.async per thread for them and no proxy fence per chunk (KERNEL_NOTES run 99: the fence
 // alone is 2-3.7 % of the layer at 64-256 tokens).
 #define PREFILL_SMALL_TMA(NAME, GATED, STAGE)                                                        \

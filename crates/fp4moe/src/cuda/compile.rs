@@ -558,6 +558,13 @@ mod tests {
             // pf_stage_bytes: rounded up to the 1024-byte swizzle atom.
             let stage = (nt * 128 + slots * (512 + 64)).div_ceil(1024) * 1024;
             assert_eq!(tile.shared_bytes(), ring + stages * stage, "{tile:?}");
+            // The host's tensor map boxes are the rows the kernel loads per box (PF_BOX_ROWS).
+            let box_rows = if tile == PrefillTile::Small {
+                define("PF_BOX_ROWS_SMALL")
+            } else {
+                define("PF_BOX_ROWS_LARGE")
+            };
+            assert_eq!(tile.box_rows() as usize, box_rows, "{tile:?}");
         }
         // The row table (cp.async tiles only) and the tile fit below the ring.
         assert!(4 * (define("PF_NT") + 2) <= ring);

@@ -1137,14 +1137,16 @@ impl PrefillFeed {
         tuning_choice(&KNOB, "FP4MOE_PREFILL_FEED", &choices)
     }
 
-    /// The feed for `tile` over an operand of `rows` rows of K = `k` bf16 and `row_tiles`
-    /// weight-row tiles on `arch`: TMA needs sm_90a, a row stride that is a multiple of 16
+    /// The feed for `tile` of GEMM `gemm` over an operand of `rows` rows of K = `k` bf16 and
+    /// `row_tiles` weight-row tiles on `arch`: `forced`, else [`PrefillFeed::preferred`], where
+    /// it applies. TMA needs sm_90a, a row stride that is a multiple of 16
     /// bytes and an operand at least one box (64 k × [`PrefillTile::box_rows`]) large;
     /// multicast pairs row tiles, so it needs an even count (an odd one would add a tile of zero
     /// rows), and runs on the 128-token tiles (not the dual, wide or 32-token ones) only. Every
     /// feed uses the tile's ring ([`PrefillTile::shared_bytes`]).
     pub fn choose(
         tile: PrefillTile,
+        gemm: PrefillGemm,
         k: usize,
         rows: usize,
         row_tiles: usize,
@@ -1154,13 +1156,26 @@ impl PrefillFeed {
         if arch != "sm_90a" || k % 8 != 0 || k < 64 || rows < tile.box_rows() as usize {
             return PrefillFeed::CpAsync;
         }
-        match forced.unwrap_or(PrefillFeed::Tma) {
+        match forced.unwrap_or(Self::preferred(tile, gemm)) {
             PrefillFeed::TmaMulticast
                 if row_tiles % 2 == 1 || tile.tma_only() || tile == PrefillTile::Small =>
             {
                 PrefillFeed::Tma
             }
             feed => feed,
+        }
+    }
+
+    /// The feed asked for when none is forced: TMA, but cp.async for the 32-token tiles' GEMM1,
+    /// whose TMA feed needs the k-fold sorted copy of the input (`invert_pairs` and
+    /// `prepare_input_sorted`: a near-constant 3.2-4.6 µs at 8-256 tokens in run 102), while
+    /// GEMM2's operand, GEMM1's output, is in sorted order already.
+    const fn preferred(tile: PrefillTile, gemm: PrefillGemm) -> Self {
+        match (tile, gemm) {
+            (PrefillTile::Small, PrefillGemm::Gemm1Gated | PrefillGemm::Gemm1Plain) => {
+                PrefillFeed::CpAsync
+            }
+            _ => PrefillFeed::Tma,
         }
     }
 
@@ -1199,7 +1214,7 @@ struct SortedRows {
     stride: usize,
 }
 
-/// 2D tensor map of `rows` (bf16, `k` valid columns): boxes of 64 k × 64 rows, 128-byte
+/// 2D tensor map of `rows` (bf16, `k` valid columns): boxes of 64 k × `box_rows` rows, 128-byte
 /// swizzle (what `smem_desc_sw128` reads), zero fill past K and past the last row.
 fn tensor_map(rows: SortedRows, k: usize, box_rows: u32) -> Result<dsys::CUtensorMap> {
     use dsys::{
@@ -2209,15 +2224,8 @@ impl CudaLayer {
         let tile = PrefillTile::choose(pairs, slots, self.dev.max_shared_bytes, forced_tile);
         let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
         let choose = |tile: PrefillTile| {
-            // The 32-token tiles' GEMM1 gathers its rows by cp.async unless a feed is forced: its
-            // TMA feed needs the k-fold sorted copy of the input (invert_pairs and
-            // prepare_input_sorted, ~3.5 µs at 8-256 tokens in run 102), while GEMM2's operand,
-            // GEMM1's output, is in sorted order already.
-            if tile == PrefillTile::Small && forced.is_none() && gemm != PrefillGemm::Gemm2 {
-                return PrefillFeed::CpAsync;
-            }
             let row_tiles = rg.div_ceil(tile.row_groups(gemm));
-            PrefillFeed::choose(tile, k, pairs, row_tiles, &self.dev.arch, forced)
+            PrefillFeed::choose(tile, gemm, k, pairs, row_tiles, &self.dev.arch, forced)
         };
         let tile = match forced_tile {
             None => tile.for_k(k, pairs / slots.max(1), self.dev.max_shared_bytes),
@@ -3251,8 +3259,9 @@ mod tests {
         use PrefillFeed::*;
         let (l, sm, w) = (PrefillTile::Large, PrefillTile::Small, PrefillTile::Wide);
         // 4096 operand rows; `tiles` weight-row tiles.
-        let choose =
-            |tile, k, tiles, arch, forced| PrefillFeed::choose(tile, k, 4096, tiles, arch, forced);
+        let choose = |tile, k, tiles, arch, forced| {
+            PrefillFeed::choose(tile, PrefillGemm::Gemm2, k, 4096, tiles, arch, forced)
+        };
         assert_eq!(choose(l, 2688, 8, "sm_90a", None), Tma);
         assert_eq!(
             choose(l, 2688, 8, "sm_90a", Some(TmaMulticast)),
@@ -3272,8 +3281,33 @@ mod tests {
         assert_eq!(choose(sm, 2688, 8, "sm_90a", None), Tma);
         assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(TmaMulticast)), Tma);
         assert_eq!(choose(sm, 2688, 8, "sm_80", None), CpAsync);
-        assert_eq!(PrefillFeed::choose(sm, 2688, 32, 8, "sm_90a", None), Tma);
-        assert_eq!(PrefillFeed::choose(sm, 2688, 31, 8, "sm_90a", None), CpAsync);
+        let g2 = PrefillGemm::Gemm2;
+        assert_eq!(
+            PrefillFeed::choose(sm, g2, 2688, 32, 8, "sm_90a", None),
+            Tma
+        );
+        assert_eq!(
+            PrefillFeed::choose(sm, g2, 2688, 31, 8, "sm_90a", None),
+            CpAsync
+        );
+        // Their GEMM1 keeps cp.async unless TMA is forced (no sorted copy of the input); the
+        // other tiles' GEMM1 takes TMA.
+        for g1 in [PrefillGemm::Gemm1Gated, PrefillGemm::Gemm1Plain] {
+            assert_eq!(
+                PrefillFeed::choose(sm, g1, 2688, 4096, 8, "sm_90a", None),
+                CpAsync
+            );
+            let forced = PrefillFeed::choose(sm, g1, 2688, 4096, 8, "sm_90a", Some(Tma));
+            assert_eq!(forced, Tma);
+            assert_eq!(
+                PrefillFeed::choose(l, g1, 2688, 4096, 8, "sm_90a", None),
+                Tma
+            );
+            assert_eq!(
+                PrefillFeed::choose(w, g1, 2688, 4096, 8, "sm_90a", None),
+                Tma
+            );
+        }
         assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(CpAsync)), CpAsync);
         // Not applicable: cp.async whatever was asked for.
         assert_eq!(choose(l, 2688, 8, "sm_90", Some(Tma)), CpAsync);
@@ -3281,7 +3315,7 @@ mod tests {
         assert_eq!(choose(l, 2692, 8, "sm_90a", None), CpAsync);
         // Less than one 64 x 64 box of operand.
         assert_eq!(choose(l, 48, 1, "sm_90a", None), CpAsync);
-        let few_rows = PrefillFeed::choose(l, 2688, 63, 8, "sm_90a", None);
+        let few_rows = PrefillFeed::choose(l, g2, 2688, 63, 8, "sm_90a", None);
         assert_eq!(few_rows, CpAsync);
         assert_eq!(TmaMulticast.cluster(), 2);
         assert_eq!(Tma.cluster(), 1);
