@@ -1144,7 +1144,7 @@ impl PrefillFeed {
     /// multicast pairs row tiles, so it needs an even count (an odd one would add a tile of zero
     /// rows), and runs on the 128-token tiles (not the dual, wide or 32-token ones) only. Every
     /// feed uses the tile's ring ([`PrefillTile::shared_bytes`]).
-    pub fn choose(
+    fn choose(
         tile: PrefillTile,
         gemm: PrefillGemm,
         k: usize,
