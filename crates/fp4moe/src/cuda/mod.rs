@@ -920,6 +920,14 @@ pub const PREFILL_WIDE_TILE_FROM: usize = 256;
 /// per-block fill and epilogue, which a short k loop does not amortize.
 pub const PREFILL_WIDE_MIN_K: usize = 1024;
 
+/// Mean tokens per expert from which the 32-token tiles take their activations by TMA (one
+/// 32-row box per chunk, both GEMMs; GEMM1 then reads the sorted copy of the input) instead of
+/// cp.async. Run 103–105 (Nemotron / Qwen3, µs of the layer): TMA 0.8 % faster at 8 tokens per
+/// expert (Qwen3, 128 tokens), 1.4–3.2 % at 12–24, level at 6 and 1–3 % slower below, where
+/// the sorted copy's fixed cost (one more launch and a `T·k·H` write) outweighs the kernels'
+/// gain (no cp.async per activation piece, no proxy fence per chunk).
+pub const PREFILL_SMALL_TMA_FROM: usize = 8;
+
 /// Token-tile size of the prefill kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillTile {
@@ -954,7 +962,7 @@ impl PrefillTile {
 
     /// The tile for `pairs` pairs over `experts` experts: `forced` when given, else the dual
     /// 128-token tiles from [`PREFILL_LARGE_TILE_FROM`] mean tokens per expert (a GEMM may still
-    /// take wide ones: [`PrefillTile::for_k`]), 32-token tiles below; the next smaller tile
+    /// take wide ones: `PrefillTile::for_gemm`), 32-token tiles below; the next smaller tile
     /// whenever the device lacks a tile's shared memory (sm_86/89's 99 KB hold only the
     /// 32-token tiles, A100's 163 KB the 128-token ones). Wide and dual tiles also need the TMA
     /// feed: [`PrefillTile::for_feed`].
@@ -982,11 +990,21 @@ impl PrefillTile {
             .unwrap_or(PrefillTile::Small)
     }
 
-    /// The default rule per GEMM (a forced tile skips it): a GEMM of reduction length `k` from
+    /// The default rule per GEMM (a forced tile skips it): GEMM1 of reduction length `k` from
     /// [`PREFILL_WIDE_MIN_K`] takes the wide tiles in place of the dual ones from
-    /// [`PREFILL_WIDE_TILE_FROM`] mean tokens per expert, where the device holds them.
-    pub fn for_k(self, k: usize, per_expert: usize, max_shared_bytes: usize) -> Self {
+    /// [`PREFILL_WIDE_TILE_FROM`] mean tokens per expert, where the device holds them. GEMM2
+    /// keeps the dual tiles: its epilogue (f32 pair outputs, twice GEMM1's bytes per tile)
+    /// overlaps the other block's MMAs there, where one wide block per SM exposes it (run 103:
+    /// 718 of 2008 µs at 16384 tokens, Nemotron; run 105: dual 1914 µs against wide 2008).
+    fn for_gemm(
+        self,
+        gemm: PrefillGemm,
+        k: usize,
+        per_expert: usize,
+        max_shared_bytes: usize,
+    ) -> Self {
         let wide = self == PrefillTile::Dual
+            && gemm != PrefillGemm::Gemm2
             && k >= PREFILL_WIDE_MIN_K
             && per_expert >= PREFILL_WIDE_TILE_FROM
             && PrefillTile::Wide.shared_bytes() <= max_shared_bytes;
@@ -1137,16 +1155,16 @@ impl PrefillFeed {
         tuning_choice(&KNOB, "FP4MOE_PREFILL_FEED", &choices)
     }
 
-    /// The feed for `tile` of GEMM `gemm` over an operand of `rows` rows of K = `k` bf16 and
-    /// `row_tiles` weight-row tiles on `arch`: `forced`, else [`PrefillFeed::preferred`], where
-    /// it applies. TMA needs sm_90a, a row stride that is a multiple of 16
+    /// The feed for `tile` over an operand of `rows` rows of K = `k` bf16 and `row_tiles`
+    /// weight-row tiles on `arch`, at `per_expert` mean tokens per expert: `forced`, else
+    /// [`PrefillFeed::preferred`], where it applies. TMA needs sm_90a, a row stride that is a multiple of 16
     /// bytes and an operand at least one box (64 k × [`PrefillTile::box_rows`]) large;
     /// multicast pairs row tiles, so it needs an even count (an odd one would add a tile of zero
     /// rows), and runs on the 128-token tiles (not the dual, wide or 32-token ones) only. Every
     /// feed uses the tile's ring ([`PrefillTile::shared_bytes`]).
     fn choose(
         tile: PrefillTile,
-        gemm: PrefillGemm,
+        per_expert: usize,
         k: usize,
         rows: usize,
         row_tiles: usize,
@@ -1156,7 +1174,7 @@ impl PrefillFeed {
         if arch != "sm_90a" || k % 8 != 0 || k < 64 || rows < tile.box_rows() as usize {
             return PrefillFeed::CpAsync;
         }
-        match forced.unwrap_or(Self::preferred(tile, gemm)) {
+        match forced.unwrap_or(Self::preferred(tile, per_expert)) {
             PrefillFeed::TmaMulticast
                 if row_tiles % 2 == 1 || tile.tma_only() || tile == PrefillTile::Small =>
             {
@@ -1166,15 +1184,13 @@ impl PrefillFeed {
         }
     }
 
-    /// The feed asked for when none is forced: TMA, but cp.async for the 32-token tiles' GEMM1,
-    /// whose TMA feed needs the k-fold sorted copy of the input (`invert_pairs` and
-    /// `prepare_input_sorted`: a near-constant 3.2-4.6 µs at 8-256 tokens in run 102), while
-    /// GEMM2's operand, GEMM1's output, is in sorted order already.
-    const fn preferred(tile: PrefillTile, gemm: PrefillGemm) -> Self {
-        match (tile, gemm) {
-            (PrefillTile::Small, PrefillGemm::Gemm1Gated | PrefillGemm::Gemm1Plain) => {
-                PrefillFeed::CpAsync
-            }
+    /// The feed asked for when none is forced: TMA, but cp.async for the 32-token tiles below
+    /// [`PREFILL_SMALL_TMA_FROM`] mean tokens per expert, where GEMM1's TMA feed costs more in
+    /// its sorted copy of the input (`invert_pairs` and `prepare_input_sorted`: a near-constant
+    /// 3.2–4.6 µs, run 102) than the kernels gain.
+    const fn preferred(tile: PrefillTile, per_expert: usize) -> Self {
+        match tile {
+            PrefillTile::Small if per_expert < PREFILL_SMALL_TMA_FROM => PrefillFeed::CpAsync,
             _ => PrefillFeed::Tma,
         }
     }
@@ -1530,11 +1546,12 @@ impl CudaLayer {
         self.decode_kernel = kernel;
     }
 
-    /// Forces how later forwards' 128- and 256-token prefill tiles receive their activations
-    /// (`None`: [`PrefillFeed::choose`]'s default). TMA falls back to cp.async where it does not
-    /// apply (not sm_90a, 32-token tiles, a K that is not a multiple of 8; the 256-token tiles
-    /// then give way to 128-token ones), and multicast to one-CTA TMA per GEMM where its row
-    /// tiles do not pair up (an odd count) and on the 256-token tiles.
+    /// Forces how later forwards' prefill tiles receive their activations (`None`: the default,
+    /// TMA on sm_90a, cp.async for the 32-token tiles below [`PREFILL_SMALL_TMA_FROM`] tokens per
+    /// expert). TMA falls back to cp.async where it does not apply (not sm_90a, a K that is not a
+    /// multiple of 8, less than one box of operand rows; the wide and dual tiles then give way
+    /// to 128-token ones), and multicast to one-CTA TMA per GEMM where its row tiles do not pair
+    /// up (an odd count) and on the wide, dual and 32-token tiles.
     pub fn set_prefill_feed(&mut self, feed: Option<PrefillFeed>) {
         self.prefill_feed = feed;
     }
@@ -2223,12 +2240,21 @@ impl CudaLayer {
         let forced_tile = self.prefill_tile.or_else(PrefillTile::from_env);
         let tile = PrefillTile::choose(pairs, slots, self.dev.max_shared_bytes, forced_tile);
         let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
+        let per_expert = pairs / slots.max(1);
         let choose = |tile: PrefillTile| {
             let row_tiles = rg.div_ceil(tile.row_groups(gemm));
-            PrefillFeed::choose(tile, gemm, k, pairs, row_tiles, &self.dev.arch, forced)
+            PrefillFeed::choose(
+                tile,
+                per_expert,
+                k,
+                pairs,
+                row_tiles,
+                &self.dev.arch,
+                forced,
+            )
         };
         let tile = match forced_tile {
-            None => tile.for_k(k, pairs / slots.max(1), self.dev.max_shared_bytes),
+            None => tile.for_gemm(gemm, k, per_expert, self.dev.max_shared_bytes),
             Some(_) => tile,
         };
         let tile = tile.for_feed(choose(tile));
@@ -3229,14 +3255,23 @@ mod tests {
             tile(1 << 20, h200, Some(PrefillTile::Small)),
             PrefillTile::Small
         );
-        // Wide tiles from 256 tokens per expert and K = 1024 where they fit.
-        assert_eq!(dual.for_k(2688, 768, h200), wide);
-        assert_eq!(dual.for_k(1024, 256, h200), wide);
-        assert_eq!(dual.for_k(2688, 255, h200), dual);
-        assert_eq!(dual.for_k(1023, 768, h200), dual);
-        assert_eq!(dual.for_k(2688, 768, 163 * 1024), dual);
+        // GEMM1's wide tiles from 256 tokens per expert and K = 1024 where they fit; GEMM2
+        // keeps the dual ones.
+        let (g1, g1g, g2) = (
+            PrefillGemm::Gemm1Plain,
+            PrefillGemm::Gemm1Gated,
+            PrefillGemm::Gemm2,
+        );
+        assert_eq!(dual.for_gemm(g1, 2688, 768, h200), wide);
+        assert_eq!(dual.for_gemm(g1g, 2688, 768, h200), wide);
+        assert_eq!(dual.for_gemm(g1, 1024, 256, h200), wide);
+        assert_eq!(dual.for_gemm(g1, 2688, 255, h200), dual);
+        assert_eq!(dual.for_gemm(g1, 1023, 768, h200), dual);
+        assert_eq!(dual.for_gemm(g1, 2688, 768, 163 * 1024), dual);
+        assert_eq!(dual.for_gemm(g2, 1856, 768, h200), dual);
+        assert_eq!(dual.for_gemm(g2, 4096, 4096, h200), dual);
         let small = PrefillTile::Small;
-        assert_eq!(small.for_k(2688, 768, h200), small);
+        assert_eq!(small.for_gemm(g1, 2688, 768, h200), small);
         assert_eq!(wide.for_feed(PrefillFeed::CpAsync), PrefillTile::Large);
         assert_eq!(wide.for_feed(PrefillFeed::Tma), wide);
         // Dual tiles are TMA-fed only (elsewhere the 128-token tiles run, so a device must
@@ -3258,9 +3293,9 @@ mod tests {
     fn prefill_feed_needs_sm90a_large_tiles_and_16_byte_rows() {
         use PrefillFeed::*;
         let (l, sm, w) = (PrefillTile::Large, PrefillTile::Small, PrefillTile::Wide);
-        // 4096 operand rows; `tiles` weight-row tiles.
+        // 4096 operand rows, 24 tokens per expert; `tiles` weight-row tiles.
         let choose = |tile, k, tiles, arch, forced| {
-            PrefillFeed::choose(tile, PrefillGemm::Gemm2, k, 4096, tiles, arch, forced)
+            PrefillFeed::choose(tile, 24, k, 4096, tiles, arch, forced)
         };
         assert_eq!(choose(l, 2688, 8, "sm_90a", None), Tma);
         assert_eq!(
@@ -3281,41 +3316,44 @@ mod tests {
         assert_eq!(choose(sm, 2688, 8, "sm_90a", None), Tma);
         assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(TmaMulticast)), Tma);
         assert_eq!(choose(sm, 2688, 8, "sm_80", None), CpAsync);
-        let g2 = PrefillGemm::Gemm2;
+        assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(CpAsync)), CpAsync);
         assert_eq!(
-            PrefillFeed::choose(sm, g2, 2688, 32, 8, "sm_90a", None),
+            PrefillFeed::choose(sm, 24, 2688, 32, 8, "sm_90a", None),
             Tma
         );
         assert_eq!(
-            PrefillFeed::choose(sm, g2, 2688, 31, 8, "sm_90a", None),
+            PrefillFeed::choose(sm, 24, 2688, 31, 8, "sm_90a", None),
             CpAsync
         );
-        // Their GEMM1 keeps cp.async unless TMA is forced (no sorted copy of the input); the
-        // other tiles' GEMM1 takes TMA.
-        for g1 in [PrefillGemm::Gemm1Gated, PrefillGemm::Gemm1Plain] {
-            assert_eq!(
-                PrefillFeed::choose(sm, g1, 2688, 4096, 8, "sm_90a", None),
-                CpAsync
-            );
-            let forced = PrefillFeed::choose(sm, g1, 2688, 4096, 8, "sm_90a", Some(Tma));
-            assert_eq!(forced, Tma);
-            assert_eq!(
-                PrefillFeed::choose(l, g1, 2688, 4096, 8, "sm_90a", None),
-                Tma
-            );
-            assert_eq!(
-                PrefillFeed::choose(w, g1, 2688, 4096, 8, "sm_90a", None),
-                Tma
-            );
-        }
-        assert_eq!(choose(sm, 2688, 8, "sm_90a", Some(CpAsync)), CpAsync);
+        // Below PREFILL_SMALL_TMA_FROM tokens per expert they keep cp.async unless TMA is
+        // forced (the sorted copy of the input costs more there); the other tiles take TMA.
+        let few = PREFILL_SMALL_TMA_FROM - 1;
+        assert_eq!(
+            PrefillFeed::choose(sm, few, 2688, 4096, 8, "sm_90a", None),
+            CpAsync
+        );
+        let forced = PrefillFeed::choose(sm, few, 2688, 4096, 8, "sm_90a", Some(Tma));
+        assert_eq!(forced, Tma);
+        let from = PREFILL_SMALL_TMA_FROM;
+        assert_eq!(
+            PrefillFeed::choose(sm, from, 2688, 4096, 8, "sm_90a", None),
+            Tma
+        );
+        assert_eq!(
+            PrefillFeed::choose(l, few, 2688, 4096, 8, "sm_90a", None),
+            Tma
+        );
+        assert_eq!(
+            PrefillFeed::choose(w, few, 2688, 4096, 8, "sm_90a", None),
+            Tma
+        );
         // Not applicable: cp.async whatever was asked for.
         assert_eq!(choose(l, 2688, 8, "sm_90", Some(Tma)), CpAsync);
         assert_eq!(choose(l, 2688, 8, "sm_80", None), CpAsync);
         assert_eq!(choose(l, 2692, 8, "sm_90a", None), CpAsync);
         // Less than one 64 x 64 box of operand.
         assert_eq!(choose(l, 48, 1, "sm_90a", None), CpAsync);
-        let few_rows = PrefillFeed::choose(l, g2, 2688, 63, 8, "sm_90a", None);
+        let few_rows = PrefillFeed::choose(l, 24, 2688, 63, 8, "sm_90a", None);
         assert_eq!(few_rows, CpAsync);
         assert_eq!(TmaMulticast.cluster(), 2);
         assert_eq!(Tma.cluster(), 1);
