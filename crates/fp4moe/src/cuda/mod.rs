@@ -907,11 +907,12 @@ pub const PREFILL_SPARSE_MIN_PAIRS: usize = 32;
 /// tiles are faster at 24, slower at 48; run 15).
 pub const PREFILL_LARGE_TILE_FROM: usize = 32;
 
-/// Mean tokens per expert from which a GEMM uses 256-token tiles where they apply (sm_90a, TMA
-/// feed, K from [`PREFILL_WIDE_MIN_K`]); below it the two-per-SM 128-token tiles run
-/// (docs/KERNEL_NOTES.md runs 58–59, µs per GEMM: dual faster at 48 tokens per expert by 9–15 %
-/// and at 192 by 0–4 %, level at 384, wide faster at 768 by 1–6 %, where converting each
-/// weight fragment once for 256 tokens outweighs the overlap of two blocks).
+/// Mean tokens per expert from which GEMM1 uses 256-token tiles where they apply (sm_90a, TMA
+/// feed, K from [`PREFILL_WIDE_MIN_K`]); below it, and for GEMM2 always (since run 106), the
+/// two-per-SM 128-token tiles run (docs/KERNEL_NOTES.md runs 58–59, µs per GEMM: dual faster
+/// at 48 tokens per expert by 9–15 % and at 192 by 0–4 %, level at 384, wide faster at 768 by
+/// 1–6 %, where converting each weight fragment once for 256 tokens outweighs the overlap of
+/// two blocks).
 pub const PREFILL_WIDE_TILE_FROM: usize = 256;
 
 /// Smallest K (the GEMM's reduction length) for which the default picks 256-token tiles
@@ -922,10 +923,11 @@ pub const PREFILL_WIDE_MIN_K: usize = 1024;
 
 /// Mean tokens per expert from which the 32-token tiles take their activations by TMA (one
 /// 32-row box per chunk, both GEMMs; GEMM1 then reads the sorted copy of the input) instead of
-/// cp.async. Run 103–105 (Nemotron / Qwen3, µs of the layer): TMA 0.8 % faster at 8 tokens per
-/// expert (Qwen3, 128 tokens), 1.4–3.2 % at 12–24, level at 6 and 1–3 % slower below, where
-/// the sorted copy's fixed cost (one more launch and a `T·k·H` write) outweighs the kernels'
-/// gain (no cp.async per activation piece, no proxy fence per chunk).
+/// cp.async. docs/KERNEL_NOTES.md runs 103, 105 and 106 (Nemotron / Qwen3, the layer): TMA
+/// 0.6–0.8 % faster at 8 tokens per expert (Qwen3, 128 tokens), 1.0–3.2 % at 12–24, level at 6
+/// (Nemotron, 128 tokens) and 1–3 % slower at 0.4–4, where the sorted copy's fixed cost (one
+/// more launch and a `T·k·H` write) outweighs the kernels' gain (no cp.async per activation
+/// piece, no proxy fence per chunk).
 pub const PREFILL_SMALL_TMA_FROM: usize = 8;
 
 /// Token-tile size of the prefill kernels.
@@ -993,9 +995,10 @@ impl PrefillTile {
     /// The default rule per GEMM (a forced tile skips it): GEMM1 of reduction length `k` from
     /// [`PREFILL_WIDE_MIN_K`] takes the wide tiles in place of the dual ones from
     /// [`PREFILL_WIDE_TILE_FROM`] mean tokens per expert, where the device holds them. GEMM2
-    /// keeps the dual tiles: its epilogue (f32 pair outputs, twice GEMM1's bytes per tile)
-    /// overlaps the other block's MMAs there, where one wide block per SM exposes it (run 103:
-    /// 718 of 2008 µs at 16384 tokens, Nemotron; run 105: dual 1914 µs against wide 2008).
+    /// keeps the dual tiles: its epilogue (f32 pair outputs) overlaps the other block's MMAs
+    /// there, where one wide block per SM exposes it (docs/KERNEL_NOTES.md run 104: 718 of
+    /// 2008 µs at 16384 tokens, Nemotron). Run 106, Nemotron's GEMM2: 1128–1150 → 1049–1054 µs
+    /// at 8192 tokens (384 per expert), level at 16384 (768 per expert).
     fn for_gemm(
         self,
         gemm: PrefillGemm,
