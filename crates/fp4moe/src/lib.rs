@@ -1,6 +1,6 @@
 //! fp4moe: NVFP4 Mixture-of-Experts layers.
 //!
-//! - [`format`]: NVFP4 (E2M1 + E4M3 block scales + per-tensor scale), bit-exact quantizers.
+//! - [`format`](mod@format): NVFP4 (E2M1 + E4M3 block scales + per-tensor scale), bit-exact quantizers.
 //! - [`spec`], [`weights`], [`routing`]: what a layer computes and holds (DESIGN 2).
 //! - [`layout`]: backend weight layouts (gate/up interleave, scale_2 folding).
 //! - [`backend`]: capability declarations and selection; backends `reference` (f64 oracle) and

@@ -721,13 +721,13 @@ const ROUTER_TF32_THREADS: u32 = 128;
 
 /// Token count from which router logits come from an f32 tiled kernel ([`RouterKernel`])
 /// instead of a warp (or eight) per logit.
-const ROUTER_TILED_FROM: usize = 1024;
+pub const ROUTER_TILED_FROM: usize = 1024;
 
 /// Token count from which [`RouterKernel::Bf16`] computes the router logits. Run 69 (routing
 /// stage against a warp per logit, µs, Nemotron): 16 tokens 28.7 vs 20.5, 64 31.3 vs 24.2,
 /// 128 31.3 vs 32.3, 256 34.0 vs 51.2, 512 37.3 vs 91.3 (Qwen3 alike): its 64-token tiles
 /// leave most SMs idle below 128 tokens.
-const ROUTER_BF16_FROM: usize = 128;
+pub const ROUTER_BF16_FROM: usize = 128;
 
 /// Token count from which `kernel` computes router logits: [`ROUTER_BF16_FROM`] or
 /// [`ROUTER_TILED_FROM`], or for either `FP4MOE_ROUTER_TILED_FROM` (a benchmark knob, read
@@ -747,7 +747,7 @@ fn router_tiled_from(kernel: RouterKernel) -> usize {
 /// of a 132-SM part, never more (a second partial wave would cost more than the split saves).
 /// A constant rather than the device's SM count, so that the logits' bits (the split count
 /// fixes the summation order) are the same on every device.
-const ROUTER_WIDE_WAVE: usize = 264;
+pub const ROUTER_WIDE_WAVE: usize = 264;
 
 /// `router_logits_wide`'s tile (`RW_TOK` tokens x `RW_EXP` experts), k chunk (`RW_K`), threads
 /// and dynamic shared memory (`RW_STAGES` stages of `RW_TOK + RW_EXP` rows of `RW_LD` floats).
