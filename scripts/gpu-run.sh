@@ -69,13 +69,15 @@ if has detail && [ -n "$ncu" ]; then
   grep -E "Duration|Throughput|Issue Slots|Issued Ipc|Pipe|Stall|Warp Cycles|Eligible|Active Warps|Bank|Registers|L2 Hit|Executed Ipc|No Eligible|One or More|Theoretical Occ|Achieved Occ|smsp__pcsamp" $L/ncu-prefill-full.txt | head -90
 fi
 if has stalls && [ -n "$ncu" ]; then
-  # Per-reason stall ratios (warps stalled per issued instruction) of the prefill GEMM1 kernels
-  # (large tiles at T=4096, small tiles at T=256).
-  for v in 4096:prefill_gemm1 256:prefill_small_gemm1; do
+  # Per-reason stall ratios (warps stalled per issued instruction), issue and tensor-pipe
+  # activity of the prefill kernels today's defaults run (Nemotron): the 32-token tiles at 64
+  # (cp.async) and 256 tokens (TMA), the dual tiles at 4096, GEMM1's wide and GEMM2's dual tiles
+  # at 16384 (STALL_KERNELS overrides: TOKENS:KERNEL-REGEX pairs).
+  for v in ${STALL_KERNELS:-64:prefill_small_gemm1 256:prefill_small_tma_gemm1 4096:prefill_dual_gemm1 4096:prefill_dual_gemm2 16384:prefill_wide_gemm1 16384:prefill_dual_gemm2}; do
     t=${v%:*} k=${v#*:}
     "$ncu" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
-      -k regex:$k --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano --tokens $t --backend cuda --iterations 1 > $L/ncu-stalls-$t.txt 2>&1
-    echo "== stalls $k T=$t"; grep -E "stalled|duration|pipe_tensor|issue_active|==ERR|error" $L/ncu-stalls-$t.txt | awk '$NF+0 > 0.05 || /duration|pipe|issue_active|ERR|error/' | head -40
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats -k regex:$k --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano --tokens $t --backend cuda --iterations 1 > $L/ncu-stalls-$t-$k.txt 2>&1
+    echo "== stalls $k T=$t"; grep -E "stalled|Duration|Issue Slots|Pipe|Throughput|==ERR|error" $L/ncu-stalls-$t-$k.txt | awk '$NF+0 > 0.05 || /Duration|Issue|Pipe|Throughput|ERR|error/' | head -40
   done
 fi
 if has shapes; then
