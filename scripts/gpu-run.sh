@@ -63,8 +63,9 @@ PY
   done
 fi
 if has detail && [ -n "$ncu" ]; then
-  # One prefill GEMM under ncu's full set: throughput, pipe use and stall reasons.
-  "$ncu" --set full --print-details all -k regex:prefill_gemm1 --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano \
+  # One prefill GEMM under ncu's full set: throughput, pipe use and stall reasons (the dual
+  # tiles' GEMM1, which the default runs at 4096 tokens).
+  "$ncu" --set full --print-details all -k regex:prefill_dual_gemm1 --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano \
     --tokens 4096 --backend cuda --iterations 1 > $L/ncu-prefill-full.txt 2>&1
   grep -E "Duration|Throughput|Issue Slots|Issued Ipc|Pipe|Stall|Warp Cycles|Eligible|Active Warps|Bank|Registers|L2 Hit|Executed Ipc|No Eligible|One or More|Theoretical Occ|Achieved Occ|smsp__pcsamp" $L/ncu-prefill-full.txt | head -90
 fi
@@ -74,10 +75,11 @@ if has stalls && [ -n "$ncu" ]; then
   # (cp.async) and 256 tokens (TMA), the dual tiles at 4096, GEMM1's wide and GEMM2's dual tiles
   # at 16384 (STALL_KERNELS overrides: TOKENS:KERNEL-REGEX pairs).
   for v in ${STALL_KERNELS:-64:prefill_small_gemm1 256:prefill_small_tma_gemm1 4096:prefill_dual_gemm1 4096:prefill_dual_gemm2 16384:prefill_wide_gemm1 16384:prefill_dual_gemm2}; do
-    t=${v%:*} k=${v#*:}
+    t=${v%:*} k=${v#*:} f="$L/ncu-stalls-$t-${k//[^A-Za-z0-9_]/_}.txt"
     "$ncu" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
-      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats -k regex:$k --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano --tokens $t --backend cuda --iterations 1 > $L/ncu-stalls-$t-$k.txt 2>&1
-    echo "== stalls $k T=$t"; grep -E "stalled|Duration|Issue Slots|Pipe|Throughput|==ERR|error" $L/ncu-stalls-$t-$k.txt | awk '$NF+0 > 0.05 || /Duration|Issue|Pipe|Throughput|ERR|error/' | head -40
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --print-details all \
+      -k "regex:$k" --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano --tokens "$t" --backend cuda --iterations 1 > "$f" 2>&1
+    echo "== stalls $k T=$t"; grep -E "stalled|Duration|Issue Slots|Pipe|Throughput|Warp Cycles|==ERR|error" "$f" | awk '$NF+0 > 0.05 || /Duration|Issue|Pipe|Throughput|Warp Cycles|ERR|error/' | head -40
   done
 fi
 if has shapes; then

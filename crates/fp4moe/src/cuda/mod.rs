@@ -923,9 +923,9 @@ pub const PREFILL_WIDE_MIN_K: usize = 1024;
 
 /// Mean tokens per expert from which the 32-token tiles take their activations by TMA (one
 /// 32-row box per chunk, both GEMMs; GEMM1 then reads the sorted copy of the input) instead of
-/// cp.async. docs/KERNEL_NOTES.md runs 103, 105 and 106 (Nemotron / Qwen3, the layer): TMA
-/// 0.6–0.8 % faster at 8 tokens per expert (Qwen3, 128 tokens), 1.0–3.2 % at 12–24, level at 6
-/// (Nemotron, 128 tokens) and 1–3 % slower at 0.4–4, where the sorted copy's fixed cost (one
+/// cp.async. docs/KERNEL_NOTES.md run 106 (Nemotron / Qwen3, the layer, against cp.async): TMA
+/// 0.5–0.6 % faster at 8 tokens per expert (Qwen3, 128 tokens), 0.7–3.0 % at 12–24; run 103:
+/// level at 6 (Nemotron, 128 tokens) and 0.9–2.9 % slower at 0.4–4, where the sorted copy's fixed cost (one
 /// more launch and a `T·k·H` write) outweighs the kernels' gain (no cp.async per activation
 /// piece, no proxy fence per chunk).
 pub const PREFILL_SMALL_TMA_FROM: usize = 8;
@@ -1133,8 +1133,7 @@ impl PrefillGemm {
     }
 }
 
-/// How the 128- and 256-token prefill tiles receive their activation rows (`prefill_gemm.cu`'s
-/// `TMA`).
+/// How the prefill tiles receive their activation rows (`prefill_gemm.cu`'s `TMA`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillFeed {
     /// Every thread gathers rows through the sorted pairs with cp.async.
@@ -1559,7 +1558,8 @@ impl CudaLayer {
         self.prefill_feed = feed;
     }
 
-    /// Forces later forwards' prefill token tile (`None`: [`PrefillTile::choose`]'s default).
+    /// Forces later forwards' prefill token tile (`None`: [`PrefillTile::choose`]'s default, and
+    /// per GEMM the wide tiles for GEMM1 from [`PREFILL_WIDE_TILE_FROM`] tokens per expert).
     /// A tile the device lacks the shared memory for falls back to a smaller one, a wide tile
     /// to the 128-token one where the TMA feed does not apply.
     pub fn set_prefill_tile(&mut self, tile: Option<PrefillTile>) {
@@ -3293,7 +3293,7 @@ mod tests {
     }
 
     #[test]
-    fn prefill_feed_needs_sm90a_large_tiles_and_16_byte_rows() {
+    fn prefill_feed_needs_sm90a_one_box_and_16_byte_rows() {
         use PrefillFeed::*;
         let (l, sm, w) = (PrefillTile::Large, PrefillTile::Small, PrefillTile::Wide);
         // 4096 operand rows, 24 tokens per expert; `tiles` weight-row tiles.
@@ -3354,7 +3354,7 @@ mod tests {
         assert_eq!(choose(l, 2688, 8, "sm_90", Some(Tma)), CpAsync);
         assert_eq!(choose(l, 2688, 8, "sm_80", None), CpAsync);
         assert_eq!(choose(l, 2692, 8, "sm_90a", None), CpAsync);
-        // Less than one 64 x 64 box of operand.
+        // K shorter than one 64-wide box, or fewer operand rows than one box holds.
         assert_eq!(choose(l, 48, 1, "sm_90a", None), CpAsync);
         let few_rows = PrefillFeed::choose(l, 24, 2688, 63, 8, "sm_90a", None);
         assert_eq!(few_rows, CpAsync);
