@@ -925,9 +925,9 @@ pub const PREFILL_WIDE_MIN_K: usize = 1024;
 /// 32-row box per chunk, both GEMMs; GEMM1 then reads the sorted copy of the input) instead of
 /// cp.async. docs/KERNEL_NOTES.md run 106 (Nemotron / Qwen3, the layer, against cp.async): TMA
 /// 0.5–0.6 % faster at 8 tokens per expert (Qwen3, 128 tokens), 0.7–3.0 % at 12–24; run 103:
-/// level at 6 (Nemotron, 128 tokens) and 0.9–2.9 % slower at 0.4–4, where the sorted copy's fixed cost (one
-/// more launch and a `T·k·H` write) outweighs the kernels' gain (no cp.async per activation
-/// piece, no proxy fence per chunk).
+/// level at 6 (Nemotron, 128 tokens) and 0.9–2.9 % slower at 0.4–4, where the sorted copy's
+/// fixed cost (one more launch and a `T·k·H` write) outweighs the kernels' gain (no cp.async
+/// per activation piece, no proxy fence per chunk).
 pub const PREFILL_SMALL_TMA_FROM: usize = 8;
 
 /// Token-tile size of the prefill kernels.
@@ -1099,9 +1099,9 @@ impl PrefillTile {
 
 impl PrefillGemm {
     /// The kernel that runs this GEMM on `tile` fed by `feed` (static names: no allocation per
-    /// launch); `None` for the pairs no kernel implements: multicast on 32-token tiles, wide and dual
-    /// tiles fed by cp.async or multicast ([`PrefillTile::for_feed`] and [`PrefillFeed::choose`] never
-    /// pick them).
+    /// launch); `None` for the pairs no kernel implements: multicast on 32-token tiles, wide and
+    /// dual tiles fed by cp.async or multicast ([`PrefillTile::for_feed`] and
+    /// [`PrefillFeed::choose`] never pick them).
     fn kernel(self, tile: PrefillTile, feed: PrefillFeed) -> Option<&'static str> {
         use PrefillFeed::{CpAsync, Tma, TmaMulticast};
         use PrefillGemm::{Gemm1Gated, Gemm1Plain, Gemm2};
@@ -1159,8 +1159,8 @@ impl PrefillFeed {
 
     /// The feed for `tile` over an operand of `rows` rows of K = `k` bf16 and `row_tiles`
     /// weight-row tiles on `arch`, at `per_expert` mean tokens per expert: `forced`, else
-    /// [`PrefillFeed::preferred`], where it applies. TMA needs sm_90a, a row stride that is a multiple of 16
-    /// bytes and an operand at least one box (64 k × [`PrefillTile::box_rows`]) large;
+    /// [`PrefillFeed::preferred`], where it applies. TMA needs sm_90a, a row stride that is a
+    /// multiple of 16 bytes and an operand at least one box (64 k × [`PrefillTile::box_rows`]) large;
     /// multicast pairs row tiles, so it needs an even count (an odd one would add a tile of zero
     /// rows), and runs on the 128-token tiles (not the dual, wide or 32-token ones) only. Every
     /// feed uses the tile's ring ([`PrefillTile::shared_bytes`]).
@@ -1177,9 +1177,8 @@ impl PrefillFeed {
             return PrefillFeed::CpAsync;
         }
         match forced.unwrap_or(Self::preferred(tile, per_expert)) {
-            PrefillFeed::TmaMulticast
-                if row_tiles % 2 == 1 || tile.tma_only() || tile == PrefillTile::Small =>
-            {
+            // Multicast kernels exist for the 128-token tiles only.
+            PrefillFeed::TmaMulticast if row_tiles % 2 == 1 || tile != PrefillTile::Large => {
                 PrefillFeed::Tma
             }
             feed => feed,
