@@ -5,7 +5,10 @@
 //          g = act(h_gate, h_up) (gated) or act(h) (non-gated; ReLU²: alpha before squaring);
 //          W4A4: g goes through the NVFP4 QDQ of DESIGN 1.2 with global scale gs_out, its 16-blocks
 //          being the 16 rows of one warp's row group, and is stored as the exact bf16 e2m1 · S.
-//   GEMM2: o[pair] = g · deq(w2_e)^T · alpha · router weight (rsf included).
+//   GEMM2: o[pair] = bf16(g · deq(w2_e)^T · alpha · router weight) (rsf included): the f32 product
+//          rounded once, as vLLM's, SGLang's and TensorRT-LLM's fused MoE store their per-pair
+//          outputs; the combine sums them in f32 in slot order (half the bytes of f32 pairs,
+//          written here and read there: T·k·H·2 each way).
 //
 // Accumulator fragments (both paths): acc[s][c] holds rows 16·rg + g (c = 0, 1) and g + 8 (c = 2, 3)
 // of column (token) 8s + 2q + (c & 1) of the tile, g = lane / 4, q = lane % 4: the mma.sync D
@@ -24,7 +27,7 @@ struct GemmParams {
     const int* num_active;
     __nv_bfloat16* g_out;
     const float* topk_w;
-    float* o_out;
+    __nv_bfloat16* o_out;  // GEMM2: each pair's weighted output, rounded once to bf16
     int rg_out;      // output row groups: I/16 (GEMM1) or H/16 (GEMM2)
     int rg_w;        // weight row groups per expert
     int kg;          // 64-wide k groups (padded K / 64)
@@ -190,7 +193,7 @@ __device__ __forceinline__ void store_gemm1(const GemmParams& p, const float (&a
     }
 }
 
-// GEMM2 epilogue of one warp: o[pair, 16·rg + {g, g+8}] = acc · alpha · router weight.
+// GEMM2 epilogue of one warp: o[pair, 16·rg + {g, g+8}] = bf16(acc · alpha · router weight).
 template <int NSUB>
 __device__ __forceinline__ void store_gemm2(const GemmParams& p, const float (&acc)[NSUB][4], int e,
                                             int base, int n_e, int t0, int rg, int nsub_valid,
@@ -205,9 +208,9 @@ __device__ __forceinline__ void store_gemm2(const GemmParams& p, const float (&a
             if (s < nsub_valid && lt < n_e) {
                 int pair = p.sorted[base + lt];
                 float w = p.topk_w[pair] * alpha;
-                float* out = p.o_out + (size_t)pair * p.out_stride + rg * 16 + g;
-                out[0] = acc[s][c] * w;
-                out[8] = acc[s][2 + c] * w;
+                __nv_bfloat16* out = p.o_out + (size_t)pair * p.out_stride + rg * 16 + g;
+                out[0] = __float2bfloat16_rn(acc[s][c] * w);
+                out[8] = __float2bfloat16_rn(acc[s][2 + c] * w);
             }
         }
     }

@@ -372,7 +372,7 @@ __device__ __forceinline__ void compute_units(const OneTokenParams& tp, const Ge
                 const int t = threadIdx.x - team * STREAM_WARPS * 32;
                 for (int r = r0 + t; r < r1; r += STREAM_WARPS * 32) {
                     float acc_y = 0.0f;
-                    for (int j = 0; j < tp.top_k; j++) acc_y += __ldcg(p.o_out + (size_t)j * hid + r);
+                    for (int j = 0; j < tp.top_k; j++) acc_y += __bfloat162float(__ldcg(p.o_out + (size_t)j * hid + r));
                     tp.y[r] = acc_y;
                 }
             }

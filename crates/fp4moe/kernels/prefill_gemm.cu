@@ -353,7 +353,7 @@ __device__ __forceinline__ int slot_local_row(int slot) {
 // banks apart, so the writes are conflict-free), then every thread takes items of 8 consecutive
 // output rows of one token: GEMM1 applies alpha, the activation (gated: gate rows at local row
 // r, up rows at r + 8·SLOTS) and the W4A4 QDQ (a 16-row block is the item and its neighbour
-// lane), and stores 16 bytes of bf16; GEMM2 scales by alpha · router weight and stores 32 bytes of f32. The
+// lane), and stores 16 bytes of bf16; GEMM2 scales by alpha · router weight and stores 16 bytes of bf16. The
 // unrolled register epilogue this replaces was ~10k instructions of straight-line code (the
 // activation's expf / tanhf inlined per value): under ncu a quarter of GEMM1's warp samples,
 // mostly instruction-fetch stalls (KERNEL_NOTES run 43). Same arithmetic per value, so the
@@ -411,9 +411,9 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
                 const float w = pairs->weight[lt - t0] * alpha;
 #pragma unroll
                 for (int i = 0; i < 8; i++) v[i] *= w;
-                float4* out = reinterpret_cast<float4*>(p.o_out + (size_t)pair * p.out_stride + rg0 * 16 + row);
-                out[0] = *reinterpret_cast<const float4*>(v);
-                out[1] = *reinterpret_cast<const float4*>(v + 4);
+                const uint2 lo = bf16x4_bits(v[0], v[1], v[2], v[3]), hi = bf16x4_bits(v[4], v[5], v[6], v[7]);
+                *reinterpret_cast<uint4*>(p.o_out + (size_t)pair * p.out_stride + rg0 * 16 + row) =
+                    make_uint4(lo.x, lo.y, hi.x, hi.y);
                 continue;
             }
             float u[8] = {};

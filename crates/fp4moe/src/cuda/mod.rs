@@ -10,7 +10,9 @@
 //! same device code (bitwise the same results); one token of a non-gated layer runs the whole
 //! layer as one launch (`one_token.cu`, bitwise the same results again). The shared expert's grouping (every token once,
 //! weight 1) is written once per workspace. No float atomics anywhere: results are bitwise
-//! reproducible from run to run.
+//! reproducible from run to run. Between the GEMMs the intermediate is bf16 (DESIGN 2's "bf16
+//! intermediates"), and so is each pair's weighted GEMM2 output, which the combine sums in f32
+//! in slot order (as vLLM's, SGLang's and TensorRT-LLM's fused MoE store them).
 //!
 //! Every `unsafe` block of the crate lives under this module, each with a `// SAFETY:` line.
 //! A machine without a driver never reaches cudarc's loaders: [`device`] checks
@@ -449,14 +451,16 @@ pub struct CudaWorkspace {
     active: CudaSlice<i32>,
     num_active: CudaSlice<i32>,
     g: CudaSlice<u16>,
-    o: CudaSlice<f32>,
+    /// Each routed pair's weighted expert output `[T·k, H]`, bf16 (GEMM2 rounds once; the
+    /// combine sums in f32).
+    o: CudaSlice<u16>,
     sh_offsets: CudaSlice<i32>,
     sh_sorted: CudaSlice<i32>,
     sh_active: CudaSlice<i32>,
     sh_num: CudaSlice<i32>,
     sh_ones: CudaSlice<f32>,
     sh_g: CudaSlice<u16>,
-    sh_o: CudaSlice<f32>,
+    sh_o: CudaSlice<u16>,
 }
 
 /// The expert grouping of a forward: what the GEMMs iterate over.
@@ -995,7 +999,7 @@ impl PrefillTile {
     /// The default rule per GEMM (a forced tile skips it): GEMM1 of reduction length `k` from
     /// [`PREFILL_WIDE_MIN_K`] takes the wide tiles in place of the dual ones from
     /// [`PREFILL_WIDE_TILE_FROM`] mean tokens per expert, where the device holds them. GEMM2
-    /// keeps the dual tiles: its epilogue (f32 pair outputs) overlaps the other block's MMAs
+    /// keeps the dual tiles: its epilogue (the pair outputs, f32 when measured) overlaps the other block's MMAs
     /// there, where one wide block per SM exposes it (docs/KERNEL_NOTES.md run 104: 718 of
     /// 2008 µs at 16384 tokens, Nemotron). Run 106, Nemotron's GEMM2: 1128–1150 → 1049–1054 µs
     /// at 8192 tokens (384 per expert), level at 16384 (768 per expert).
@@ -1452,11 +1456,11 @@ fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
 }
 
 /// `combine`'s launch for `tokens` x `hidden` (a multiple of 16, as the spec requires): a
-/// block row per token, each thread 4 columns, the columns split into the fewest blocks of at
-/// most 256 threads, evened out to whole warps (Nemotron's 672 four-column units: 3 blocks of
-/// 224).
+/// block row per token, each thread 8 columns, the columns split into the fewest blocks of at
+/// most 256 threads, evened out to whole warps (Nemotron's 336 eight-column units: 2 blocks of
+/// 192).
 fn combine_launch(tokens: usize, hidden: usize) -> LaunchConfig {
-    let units = hidden / 4;
+    let units = hidden / 8;
     let blocks = units.div_ceil(256).max(1);
     let threads = units.div_ceil(blocks).div_ceil(32) * 32;
     LaunchConfig {
@@ -1667,11 +1671,9 @@ impl CudaLayer {
             + 2
             + one_token::sync_len(h / 16, e)
             + tokens
-            + p * h
-            + tokens * h
             + 2 * tokens
             + 2)
-            + 2 * (2 * tokens * h + p * h + p * i + tokens * w)
+            + 2 * (2 * tokens * h + 2 * p * h + tokens * h + p * i + tokens * w)
     }
 
     /// Allocates the device buffers of a forward over `tokens` tokens.
@@ -1733,7 +1735,7 @@ impl CudaLayer {
             active: i32s(e)?,
             num_active: i32s(1)?,
             g: b16(p * i)?,
-            o: f(p * h)?,
+            o: b16(p * h)?,
             sh_offsets: up_i32(&[0, tokens as i32])?,
             sh_sorted: up_i32(&sh_sorted)?,
             sh_active: up_i32(&[0])?,
@@ -1742,7 +1744,7 @@ impl CudaLayer {
                 .clone_htod(&vec![1.0f32; tokens.max(1)])
                 .map_err(driver_err("workspace allocation"))?,
             sh_g: b16(tokens * w)?,
-            sh_o: f(if has_shared { tokens * h } else { 0 })?,
+            sh_o: b16(if has_shared { tokens * h } else { 0 })?,
         })
     }
 
@@ -2750,7 +2752,7 @@ impl CudaLayer {
             &kk as *const i32 as *mut c_void,
             &hid as *const i32 as *mut c_void,
         ];
-        // SAFETY: `combine(const float*, const float*, float*, int, int, int)`: three device
+        // SAFETY: `combine(const bf16*, const bf16*, float*, int, int, int)`: three device
         // pointers and three ints, in this order, each pointed to by `args` for the call.
         unsafe { self.launch_dependent("combine", cfg, 1, &mut args) }
     }
@@ -2949,7 +2951,7 @@ mod tests {
     fn combine_launch_covers_each_column_once() {
         for hidden in [16, 48, 2048, 2064, 2688, 2880, 7168, 7184] {
             let cfg = combine_launch(5, hidden);
-            let units = hidden / 4;
+            let units = hidden / 8;
             let (blocks, threads) = (cfg.grid_dim.1 as usize, cfg.block_dim.0 as usize);
             assert_eq!(cfg.grid_dim.0, 5);
             assert!(threads % 32 == 0 && threads <= 256, "{hidden}: {threads}");
@@ -2959,8 +2961,8 @@ mod tests {
                 "{hidden}: idle warps"
             );
         }
-        assert_eq!(combine_launch(1, 2688).grid_dim.1, 3);
-        assert_eq!(combine_launch(1, 2688).block_dim.0, 224);
+        assert_eq!(combine_launch(1, 2688).grid_dim.1, 2);
+        assert_eq!(combine_launch(1, 2688).block_dim.0, 192);
     }
 
     #[test]
