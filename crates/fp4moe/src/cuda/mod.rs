@@ -919,11 +919,15 @@ pub const PREFILL_LARGE_TILE_FROM: usize = 32;
 /// two blocks).
 pub const PREFILL_WIDE_TILE_FROM: usize = 256;
 
-/// Smallest K (the GEMM's reduction length) for which the default picks 256-token tiles
-/// (run 45: Qwen3's GEMM2, K = 768, 12 % slower with them; K = 1856–2688 3–9 % faster, K = 2048
-/// level to 5 % faster). A wide block has half the warps of a 128-token one for the same
-/// per-block fill and epilogue, which a short k loop does not amortize.
-pub const PREFILL_WIDE_MIN_K: usize = 1024;
+/// Smallest K (the GEMM's reduction length) for which the default picks 256-token tiles. A
+/// wide block has half the warps of a dual one and one block per SM, so its fill and epilogue
+/// are exposed; what it saves (each weight fragment converted once for 256 tokens) grows with
+/// K. docs/KERNEL_NOTES.md run 109 (the layer against the dual tiles, two rounds): K = 2048
+/// (Qwen3-30B's GEMM1) dual faster at 256–768 tokens per expert (4096–12288 tokens: −0.5 to
+/// −5 %), level at 1024 (run 108); K = 2688 (Nemotron's GEMM1) wide faster at 288–768 per
+/// expert (1–4 %). Run 45, against the older 128-token tiles: K = 768 (Qwen3's GEMM2) 12 %
+/// slower with them.
+pub const PREFILL_WIDE_MIN_K: usize = 2304;
 
 /// Mean tokens per expert from which the 32-token tiles take their activations by TMA (one
 /// 32-row box per chunk, both GEMMs; GEMM1 then reads the sorted copy of the input) instead of
@@ -3259,7 +3263,7 @@ mod tests {
             tile(1 << 20, h200, Some(PrefillTile::Small)),
             PrefillTile::Small
         );
-        // GEMM1's wide tiles from 256 tokens per expert and K = 1024 where they fit; GEMM2
+        // GEMM1's wide tiles from 256 tokens per expert and K = 2304 where they fit; GEMM2
         // keeps the dual ones.
         let (g1, g1g, g2) = (
             PrefillGemm::Gemm1Plain,
@@ -3268,9 +3272,11 @@ mod tests {
         );
         assert_eq!(dual.for_gemm(g1, 2688, 768, h200), wide);
         assert_eq!(dual.for_gemm(g1g, 2688, 768, h200), wide);
-        assert_eq!(dual.for_gemm(g1, 1024, 256, h200), wide);
+        assert_eq!(dual.for_gemm(g1, 2304, 256, h200), wide);
         assert_eq!(dual.for_gemm(g1, 2688, 255, h200), dual);
-        assert_eq!(dual.for_gemm(g1, 1023, 768, h200), dual);
+        assert_eq!(dual.for_gemm(g1, 2303, 768, h200), dual);
+        // Qwen3-30B's GEMM1 (K = H = 2048): dual at every batch (run 109).
+        assert_eq!(dual.for_gemm(g1g, 2048, 1024, h200), dual);
         assert_eq!(dual.for_gemm(g1, 2688, 768, 163 * 1024), dual);
         assert_eq!(dual.for_gemm(g2, 1856, 768, h200), dual);
         assert_eq!(dual.for_gemm(g2, 4096, 4096, h200), dual);
