@@ -2,7 +2,8 @@
 // (+ activation, W4A4 QDQ), GEMM2 (+ router weight) and the combine, separated by per-logit
 // flags and one grid-wide barrier instead of four kernel boundaries.
 //
-//   y = Σ_j w_j · W2_{e_j} · act(W13_{e_j} · a),   j < k in slot order (combine.cu's order)
+//   y = Σ_j bf16(w_j · W2_{e_j} · act(W13_{e_j} · a)),   j < k in slot order, summed in f32
+//   (gemm_common.cuh's rounding and combine.cu's order)
 //
 // Why (KERNEL_NOTES, runs 34, 64, 75): at one token the split launch chain (route_small, two
 // streaming GEMMs, combine) took 38 µs for 8 µs of weight bytes: the launches alone 6.8 µs,

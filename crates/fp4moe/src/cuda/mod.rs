@@ -1676,7 +1676,8 @@ impl CudaLayer {
             + one_token::sync_len(h / 16, e)
             + tokens
             + 2 * tokens
-            + 2)
+            // sh_offsets, sh_active, sh_num, and the trace's minimum of one u64.
+            + 5)
             + 2 * (2 * tokens * h + 2 * p * h + tokens * h + p * i + tokens * w)
     }
 
