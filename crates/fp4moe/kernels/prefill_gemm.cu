@@ -353,11 +353,11 @@ __device__ __forceinline__ int slot_local_row(int slot) {
 // banks apart, so the writes are conflict-free), then every thread takes items of 8 consecutive
 // output rows of one token: GEMM1 applies alpha, the activation (gated: gate rows at local row
 // r, up rows at r + 8·SLOTS) and the W4A4 QDQ (a 16-row block is the item and its neighbour
-// lane), and stores 16 bytes of bf16; GEMM2 scales by alpha · router weight and stores 16 bytes of bf16. The
-// unrolled register epilogue this replaces was ~10k instructions of straight-line code (the
-// activation's expf / tanhf inlined per value): under ncu a quarter of GEMM1's warp samples,
-// mostly instruction-fetch stalls (KERNEL_NOTES run 43). Same arithmetic per value, so the
-// same bits. Tokens go in passes of PS column tiles when the ring cannot hold the whole tile.
+// lane), and stores 16 bytes of bf16; GEMM2 scales by alpha · router weight and stores 16 bytes
+// of bf16 too. The unrolled register epilogue this replaces was ~10k instructions of
+// straight-line code (the activation's expf / tanhf inlined per value): under ncu a quarter of
+// GEMM1's warp samples, mostly instruction-fetch stalls (KERNEL_NOTES run 43). Same arithmetic
+// per value, so the same bits. Tokens go in passes of PS column tiles when the ring cannot hold the whole tile.
 template <bool GATED, int STAGE, int NC, int SLOTS, int HALVES>
 __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const float (&acc)[HALVES][NC / 8][4],
                                                  unsigned char* ring, const PairTable* pairs, int e,
