@@ -106,6 +106,9 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
       for mode in ${AB_MODES:-w4a16}; do
         [ "$(el)" -gt "$deadline" ] && break 4
         tag="${v%%=*}-$preset$([ "$mode" = w4a16 ] || echo "-$mode")-r$r"
+        # /tmp/res lives as long as the machine: a label reused by a later invocation in the
+        # same call gets a suffix instead of overwriting the earlier results (run 105 lost some).
+        while [ -e "$R/ab-$tag.txt" ]; do tag="$tag+"; done
         run_variant "$v" bench --preset "$preset" --mode "$mode" --tokens "${AB_TOKENS:-1,8,64,256,1024,4096,16384}" \
           --backend cuda ${AB_BENCH_ARGS:-} --json "$R/ab-$tag.json" > "$R/ab-$tag.txt" 2>&1
       done
