@@ -170,6 +170,11 @@ __device__ __forceinline__ u32 bf16x2_bits(__nv_bfloat162 v) {
 __device__ __forceinline__ uint2 bf16x4_bits(float a, float b, float c, float d) {
     return make_uint2(bf16x2_bits(__floats2bfloat162_rn(a, b)), bf16x2_bits(__floats2bfloat162_rn(c, d)));
 }
+// Eight floats rounded to bf16 (nearest even), in memory order for one 16-byte store.
+__device__ __forceinline__ uint4 bf16x8_bits(const float (&v)[8]) {
+    const uint2 lo = bf16x4_bits(v[0], v[1], v[2], v[3]), hi = bf16x4_bits(v[4], v[5], v[6], v[7]);
+    return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
 
 __device__ __forceinline__ __nv_bfloat162 bits_bf16x2(u32 v) {
     return *reinterpret_cast<__nv_bfloat162*>(&v);

@@ -357,7 +357,8 @@ __device__ __forceinline__ int slot_local_row(int slot) {
 // of bf16 too. The unrolled register epilogue this replaces was ~10k instructions of
 // straight-line code (the activation's expf / tanhf inlined per value): under ncu a quarter of
 // GEMM1's warp samples, mostly instruction-fetch stalls (KERNEL_NOTES run 43). Same arithmetic
-// per value, so the same bits. Tokens go in passes of PS column tiles when the ring cannot hold the whole tile.
+// per value, so the same bits. Tokens go in passes of PS column tiles when the ring cannot hold
+// the whole tile.
 template <bool GATED, int STAGE, int NC, int SLOTS, int HALVES>
 __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const float (&acc)[HALVES][NC / 8][4],
                                                  unsigned char* ring, const PairTable* pairs, int e,
@@ -411,9 +412,7 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
                 const float w = pairs->weight[lt - t0] * alpha;
 #pragma unroll
                 for (int i = 0; i < 8; i++) v[i] *= w;
-                const uint2 lo = bf16x4_bits(v[0], v[1], v[2], v[3]), hi = bf16x4_bits(v[4], v[5], v[6], v[7]);
-                *reinterpret_cast<uint4*>(p.o_out + (size_t)pair * p.out_stride + rg0 * 16 + row) =
-                    make_uint4(lo.x, lo.y, hi.x, hi.y);
+                *reinterpret_cast<uint4*>(p.o_out + (size_t)pair * p.out_stride + rg0 * 16 + row) = bf16x8_bits(v);
                 continue;
             }
             float u[8] = {};
@@ -426,9 +425,7 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
             // The 16-row block is this item and its neighbour lane's (the other 8 rows).
             if (p.gs_out > 0.0f) nvfp4_qdq_block<8, 1, 2>(v, p.gs_out, inv_gs);
             if (ok) {
-                const uint2 lo = bf16x4_bits(v[0], v[1], v[2], v[3]), hi = bf16x4_bits(v[4], v[5], v[6], v[7]);
-                const uint4 o = make_uint4(lo.x, lo.y, hi.x, hi.y);
-                *reinterpret_cast<uint4*>(p.g_out + (size_t)(base + lt) * p.out_stride + rg0 * 16 + row) = o;
+                *reinterpret_cast<uint4*>(p.g_out + (size_t)(base + lt) * p.out_stride + rg0 * 16 + row) = bf16x8_bits(v);
             }
         }
     }

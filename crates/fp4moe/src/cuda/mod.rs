@@ -1005,8 +1005,9 @@ impl PrefillTile {
     /// [`PREFILL_WIDE_TILE_FROM`] mean tokens per expert, where the device holds them. GEMM2
     /// keeps the dual tiles: its epilogue (the pair outputs, f32 when measured) overlaps the
     /// other block's MMAs there, where one wide block per SM exposes it (docs/KERNEL_NOTES.md
-    /// run 104: 718 of 2008 µs at 16384 tokens, Nemotron). Run 106, Nemotron's GEMM2: 1128–1150 → 1049–1054 µs
-    /// at 8192 tokens (384 per expert), level at 16384 (768 per expert).
+    /// run 104: 718 of 2008 µs at 16384 tokens, Nemotron). Run 106, Nemotron's GEMM2:
+    /// 1128–1150 → 1049–1054 µs at 8192 tokens (384 per expert), level at 16384 (768 per
+    /// expert).
     fn for_gemm(
         self,
         gemm: PrefillGemm,
