@@ -11,8 +11,9 @@
 # Other knobs (defaults): AB_TOKENS (1,8,64,256,1024,4096,16384), AB_PRESETS (nemotron3-nano
 # qwen3-30b-a3b), AB_ROUNDS (2), AB_TESTS (1: run .gpu/tests/*), AB_SWEEP (0: the first variant's
 # sweep over both modes), AB_TORCH (0), AB_DEADLINE (540: seconds after which no new bench
-# starts), AB_TEST_TIMEOUT (420: seconds per test executable), AB_TEST_FILTER (cuda_device's
-# test name filters; default all), AB_MODES (w4a16; e.g. "w4a16 w4a4"), AB_SANITIZER (compute-sanitizer
+# starts), AB_TEST_TIMEOUT (420: seconds per test executable), AB_TEST_FILTER (test name
+# filters of every cuda_device* executable, e.g. another build's copied in as cuda_device_alt-*;
+# default all), AB_MODES (w4a16; e.g. "w4a16 w4a4"), AB_SANITIZER (compute-sanitizer
 # tools run beside the tests, before the benches, e.g. "memcheck racecheck synccheck", on
 # cuda_device's tests named by AB_SANITIZER_FILTER, default one_token; options of a tool after
 # commas; AB_SANITIZER_TIMEOUT, 200 s), AB_BENCH_ARGS (more `fp4moe bench` arguments, e.g.
@@ -75,11 +76,11 @@ if [ "${AB_TESTS:-1}" = 1 ]; then
   # The test executables embed the kernels of .gpu/fp4moe's build: its cache serves them.
   export FP4MOE_CACHE_DIR="$(kernel_cache .gpu/fp4moe)"
   # A hung test (a kernel that never returns) must not eat the whole call.
-  # AB_TEST_FILTER: name filters for cuda_device (the long one); the other executables run whole.
+  # AB_TEST_FILTER: name filters for cuda_device* (the long ones); the other executables run whole.
   pids=()
   for t in .gpu/tests/*; do
     n=$(basename "${t%-*}"); f=()
-    [ "$n" = cuda_device ] && [ -n "${AB_TEST_FILTER:-}" ] && read -r -a f <<< "$AB_TEST_FILTER"
+    [[ "$n" == cuda_device* ]] && [ -n "${AB_TEST_FILTER:-}" ] && read -r -a f <<< "$AB_TEST_FILTER"
     timeout "${AB_TEST_TIMEOUT:-420}" "$t" ${f[@]+"${f[@]}"} --test-threads=1 --nocapture > "$R/test-$n.txt" 2>&1 &
     pids+=($!)
   done

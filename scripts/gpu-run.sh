@@ -4,7 +4,7 @@
 # PyTorch bf16 peer on the same presets. Run from the repo root on the GPU machine after
 # ../shared/tools/gpu-stage. Logs go to $OUT/logs/ as they are written (a run cut short by the
 # time limit still returns them), benchmark JSON beside them.
-# usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [stalls] [shapes] [paths] [tiles] [decode] [routes] [bench] [torch]
+# usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [stalls] [sass] [shapes] [paths] [tiles] [decode] [routes] [bench] [torch]
 # (default: all but prefill-tests, which tests covers, and routes)
 # NCU_TOKENS (default "1 64 256") picks the ncu batch sizes, BENCH_MODES (default "w4a16 w4a4")
 # the bench modes, SAN_BINS / SAN_FILTER the sanitized test executables and cuda_device filter.
@@ -70,16 +70,29 @@ if has detail && [ -n "$ncu" ]; then
   grep -E "Duration|Throughput|Issue Slots|Issued Ipc|Pipe|Stall|Warp Cycles|Eligible|Active Warps|Bank|Registers|L2 Hit|Executed Ipc|No Eligible|One or More|Theoretical Occ|Achieved Occ|smsp__pcsamp" $L/ncu-prefill-full.txt | head -90
 fi
 if has stalls && [ -n "$ncu" ]; then
-  # Per-reason stall ratios (warps stalled per issued instruction), issue and tensor-pipe
-  # activity of the prefill kernels today's defaults run (Nemotron): the 32-token tiles at 64
+  # Per-reason stall ratios (warps stalled per issued instruction), the sampled stall reasons
+  # (SourceCounters), issue and tensor-pipe activity of the prefill kernels today's defaults run (Nemotron): the 32-token tiles at 64
   # (cp.async) and 256 tokens (TMA), the dual tiles at 4096, GEMM1's wide and GEMM2's dual tiles
   # at 16384 (STALL_KERNELS overrides: TOKENS:KERNEL-REGEX pairs).
   for v in ${STALL_KERNELS:-64:prefill_small_gemm1 256:prefill_small_tma_gemm1 4096:prefill_dual_gemm1 4096:prefill_dual_gemm2 16384:prefill_wide_gemm1 16384:prefill_dual_gemm2}; do
     t=${v%:*} k=${v#*:} f="$L/ncu-stalls-$t-${k//[^A-Za-z0-9_]/_}.txt"
     "$ncu" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
-      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --print-details all \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SourceCounters --print-details all \
       -k "regex:$k" --launch-count 1 .gpu/fp4moe bench --preset nemotron3-nano --tokens "$t" --backend cuda --iterations 1 > "$f" 2>&1
     echo "== stalls $k T=$t"; grep -E "stalled|Duration|Issue Slots|Pipe|Throughput|Warp Cycles|==ERR|error" "$f" | awk '$NF+0 > 0.05 || /Duration|Issue|Pipe|Throughput|Warp Cycles|ERR|error/' | head -40
+  done
+fi
+if has sass && [ -n "$ncu" ]; then
+  # Warp-stall samples per SASS instruction (ncu's source page) of one kernel per entry of
+  # SASS_KERNELS (TOKENS:KERNEL-REGEX; default the dual GEMM1 at 4096 tokens): on which
+  # instructions the barrier, warpgroup-arrive and wait samples of run 111 sit. The report
+  # comes back too, for the GUI.
+  for v in ${SASS_KERNELS:-4096:prefill_dual_gemm1}; do
+    t=${v%:*} k=${v#*:} r="$L/ncu-sass-$t-${v#*:}"
+    "$ncu" --section SourceCounters --section WarpStateStats -k "regex:$k" --launch-count 1 -f -o "$r" \
+      .gpu/fp4moe bench --preset nemotron3-nano --tokens "$t" --backend cuda --iterations 1 > "$r.log" 2>&1
+    "$ncu" -i "$r.ncu-rep" --page source --print-source sass --csv > "$r.csv" 2>&1
+    echo "== sass $k T=$t: rc=$? $(wc -l < "$r.csv") lines"; head -3 "$r.csv"
   done
 fi
 if has shapes; then
