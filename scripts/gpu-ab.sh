@@ -13,7 +13,8 @@
 # sweep over both modes), AB_TORCH (0), AB_DEADLINE (540: seconds after which no new bench
 # starts), AB_TEST_TIMEOUT (420: seconds per test executable), AB_TEST_FILTER (test name
 # filters of every cuda_device* executable, e.g. another build's copied in as cuda_device_alt-*;
-# default all), AB_MODES (w4a16; e.g. "w4a16 w4a4"), AB_SANITIZER (compute-sanitizer
+# default all), AB_TEST_ENV (VAR=VALUE assignments, space-separated, for the test executables,
+# e.g. "FP4MOE_DEFINES=PF_MMA_STEPS=2" to test a kernel define of a variant), AB_MODES (w4a16; e.g. "w4a16 w4a4"), AB_SANITIZER (compute-sanitizer
 # tools run beside the tests, before the benches, e.g. "memcheck racecheck synccheck", on
 # cuda_device's tests named by AB_SANITIZER_FILTER, default one_token; options of a tool after
 # commas; AB_SANITIZER_TIMEOUT, 200 s), AB_BENCH_ARGS (more `fp4moe bench` arguments, e.g.
@@ -81,7 +82,9 @@ if [ "${AB_TESTS:-1}" = 1 ]; then
   for t in .gpu/tests/*; do
     n=$(basename "${t%-*}"); f=()
     [[ "$n" == cuda_device* ]] && [ -n "${AB_TEST_FILTER:-}" ] && read -r -a f <<< "$AB_TEST_FILTER"
-    timeout "${AB_TEST_TIMEOUT:-420}" "$t" ${f[@]+"${f[@]}"} --test-threads=1 --nocapture > "$R/test-$n.txt" 2>&1 &
+    read -r -a te <<< "${AB_TEST_ENV:-}"
+    env ${te[@]+"${te[@]}"} timeout "${AB_TEST_TIMEOUT:-420}" "$t" ${f[@]+"${f[@]}"} --test-threads=1 --nocapture \
+      > "$R/test-$n.txt" 2>&1 &
     pids+=($!)
   done
   wait "${pids[@]}"
