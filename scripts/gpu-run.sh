@@ -88,7 +88,7 @@ if has sass && [ -n "$ncu" ]; then
   # instructions the barrier, warpgroup-arrive and wait samples of run 111 sit. The report
   # comes back too, for the GUI.
   for v in ${SASS_KERNELS:-4096:prefill_dual_gemm1}; do
-    t=${v%:*} k=${v#*:} r="$L/ncu-sass-$t-${v#*:}"
+    t=${v%:*} k=${v#*:} r="$L/ncu-sass-$t-${k//[^A-Za-z0-9_]/_}"
     "$ncu" --section SourceCounters --section WarpStateStats -k "regex:$k" --launch-count 1 -f -o "$r" \
       .gpu/fp4moe bench --preset nemotron3-nano --tokens "$t" --backend cuda --iterations 1 > "$r.log" 2>&1
     "$ncu" -i "$r.ncu-rep" --page source --print-source sass --csv > "$r.csv" 2>&1
