@@ -14,13 +14,14 @@
 # starts), AB_TEST_TIMEOUT (420: seconds per test executable), AB_TEST_FILTER (test name
 # filters of every cuda_device* executable, e.g. another build's copied in as cuda_device_alt-*;
 # default all), AB_TEST_ENV (VAR=VALUE assignments, space-separated, for the test executables,
-# e.g. "FP4MOE_DEFINES=PF_MMA_STEPS=2" to test a kernel define of a variant), AB_MODES (w4a16; e.g. "w4a16 w4a4"), AB_SANITIZER (compute-sanitizer
-# tools run beside the tests, before the benches, e.g. "memcheck racecheck synccheck", on
-# cuda_device's tests named by AB_SANITIZER_FILTER, default one_token; options of a tool after
-# commas; AB_SANITIZER_TIMEOUT, 200 s), AB_BENCH_ARGS (more `fp4moe bench` arguments, e.g.
-# --stages). Timing-only ablation variants (a build with docs/experiments/prefill-ablate.patch):
-# BIN@FP4MOE_DEFINES=PF_ABLATE_EPI+PF_ABLATE_ACT (defines joined by +). Prints the medians of
-# every A/B run last.
+# e.g. "FP4MOE_DEFINES=PF_MMA_STEPS=2" to test a kernel define of a variant), AB_MODES (w4a16;
+# e.g. "w4a16 w4a4"), AB_SANITIZER (compute-sanitizer tools run beside the tests, before the
+# benches, e.g. "memcheck racecheck synccheck", on cuda_device's tests named by
+# AB_SANITIZER_FILTER, default one_token; options of a tool after commas; AB_SANITIZER_TIMEOUT,
+# 200 s), AB_BENCH_ARGS (more `fp4moe bench` arguments, e.g. --stages). Variants of kernel
+# defines (a build with FP4MOE_DEFINES: wip/mma-steps, or the timing-only ablations of
+# docs/experiments/prefill-ablate.patch): BIN@FP4MOE_DEFINES=PF_ABLATE_EPI+PF_ABLATE_ACT
+# (defines joined by +). Prints the medians of every A/B run last.
 set -u
 OUT="${OUT:-/tmp/out}"; R=/tmp/res; mkdir -p "$R" "$OUT"
 trap 'tar czf "$OUT/res.tgz" -C /tmp res' EXIT

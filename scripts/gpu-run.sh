@@ -71,9 +71,10 @@ if has detail && [ -n "$ncu" ]; then
 fi
 if has stalls && [ -n "$ncu" ]; then
   # Per-reason stall ratios (warps stalled per issued instruction), the sampled stall reasons
-  # (SourceCounters), issue and tensor-pipe activity of the prefill kernels today's defaults run (Nemotron): the 32-token tiles at 64
-  # (cp.async) and 256 tokens (TMA), the dual tiles at 4096, GEMM1's wide and GEMM2's dual tiles
-  # at 16384 (STALL_KERNELS overrides: TOKENS:KERNEL-REGEX pairs).
+  # (SourceCounters), issue and tensor-pipe activity of the prefill kernels today's defaults
+  # run (Nemotron): the 32-token tiles at 64 (cp.async) and 256 tokens (TMA), the dual tiles at
+  # 4096, GEMM1's wide and GEMM2's dual tiles at 16384 (STALL_KERNELS overrides:
+  # TOKENS:KERNEL-REGEX pairs).
   for v in ${STALL_KERNELS:-64:prefill_small_gemm1 256:prefill_small_tma_gemm1 4096:prefill_dual_gemm1 4096:prefill_dual_gemm2 16384:prefill_wide_gemm1 16384:prefill_dual_gemm2}; do
     t=${v%:*} k=${v#*:} f="$L/ncu-stalls-$t-${k//[^A-Za-z0-9_]/_}.txt"
     "$ncu" --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
