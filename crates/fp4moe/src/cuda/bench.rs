@@ -66,15 +66,25 @@ pub fn time_layer(
     // allocated before the weight copies and workspaces, which moves where they land.
     // Nemotron's 4096-token median falls in one of two clusters per process (KERNEL_NOTES,
     // session 26): a cluster that follows the pad would point at placement.
-    let pad_mib = std::env::var("FP4MOE_BENCH_PAD_MB")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(0);
-    let _pad = if pad_mib > 0 {
+    let pad_bytes = match std::env::var("FP4MOE_BENCH_PAD_MB") {
+        Ok(v) => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .and_then(|mib| mib.checked_mul(1 << 20))
+            .ok_or_else(|| {
+                Error::arg(
+                    "FP4MOE_BENCH_PAD_MB",
+                    format!("{v:?} is not a whole number of MiB"),
+                )
+            })?,
+        Err(_) => 0,
+    };
+    let _pad = if pad_bytes > 0 {
         let dev = super::device()?;
         Some(
             dev.stream
-                .alloc_zeros::<u8>(pad_mib << 20)
+                .alloc_zeros::<u8>(pad_bytes)
                 .map_err(driver_err("FP4MOE_BENCH_PAD_MB buffer"))?,
         )
     } else {
