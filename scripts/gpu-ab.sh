@@ -80,10 +80,10 @@ if [ "${AB_TESTS:-1}" = 1 ]; then
   # A hung test (a kernel that never returns) must not eat the whole call.
   # AB_TEST_FILTER: name filters for cuda_device* (the long ones); the other executables run whole.
   pids=()
+  read -r -a te <<< "${AB_TEST_ENV:-}"
   for t in .gpu/tests/*; do
     n=$(basename "${t%-*}"); f=()
     [[ "$n" == cuda_device* ]] && [ -n "${AB_TEST_FILTER:-}" ] && read -r -a f <<< "$AB_TEST_FILTER"
-    read -r -a te <<< "${AB_TEST_ENV:-}"
     env ${te[@]+"${te[@]}"} timeout "${AB_TEST_TIMEOUT:-420}" "$t" ${f[@]+"${f[@]}"} --test-threads=1 --nocapture \
       > "$R/test-$n.txt" 2>&1 &
     pids+=($!)
