@@ -53,7 +53,10 @@ for v in $variants; do
   [[ "$v" =~ FP4MOE_DEFINES=([^,]*) ]] && d=${BASH_REMATCH[1]}
   [ -n "${seen[$b@$d]:-}" ] && continue; seen[$b@$d]=1
   if [ -n "$d" ]; then spec="${v%%@*}@FP4MOE_DEFINES=$d"; else spec="${v%%@*}"; fi
-  run_variant "$spec" compile-kernels > "$R/compile-${v%%=*}.txt" 2>&1 &
+  # A cache compiled beside the binary by scripts/stage-kernels.sh saves NVRTC's time here.
+  kc=$(kernel_cache "$b"); mkdir -p "$kc"
+  [ -d "$(dirname "$b")/kc" ] && cp -n "$(dirname "$b")"/kc/* "$kc"/ 2>/dev/null
+  run_variant "$spec" compile-kernels --arch sm_90a > "$R/compile-${v%%=*}.txt" 2>&1 &
 done
 wait
 echo "compiled at $(el) s" >> "$R/progress.txt"

@@ -68,6 +68,11 @@ pub(crate) struct Args {
     /// CPU and reference forwards, routing included (default 4).
     #[arg(long)]
     pub iterations: Option<usize>,
+    /// CUDA: GPU time (ms) of untimed replays before the timed ones. Under a sustained prefill
+    /// the H200 reaches its power cap within ~100 ms and slows its clock by ~10 %; the default
+    /// times that steady state. 0: three warm-up rounds only (the boost clock, mostly).
+    #[arg(long, default_value_t = 300.0)]
+    pub warmup_ms: f64,
     /// CUDA: also time each stage (routing, GEMM1, GEMM2, combine): what it adds to a
     /// replay of the layer cut after it (graphs of each prefix).
     #[arg(long)]
@@ -83,6 +88,12 @@ pub(crate) struct Args {
 pub(crate) fn run(a: Args) -> Result<()> {
     if a.tokens.is_empty() || a.tokens.contains(&0) {
         bail!("--tokens must list batch sizes of at least 1");
+    }
+    if !(a.warmup_ms.is_finite() && a.warmup_ms >= 0.0) {
+        bail!(
+            "--warmup-ms must be a number of milliseconds >= 0, not {}",
+            a.warmup_ms
+        );
     }
     let p = Preset::from(a.preset);
     let quant = match a.mode {
@@ -143,7 +154,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let host = backend != Backend::Cuda;
     let tflops_floor = (!host).then_some(BF16_TFLOPS);
     println!(
-        "fp4moe bench: {} {} on {} [{}], copy bandwidth {:.*} GB/s (read+write), {}",
+        "fp4moe bench: {} {} on {} [{}], copy bandwidth {:.*} GB/s (read+write), {}{}",
         p.name(),
         spec.quant,
         backend,
@@ -153,6 +164,11 @@ pub(crate) fn run(a: Args) -> Result<()> {
         match tflops_floor {
             Some(r) => format!("bf16 compute {r} TFLOP/s (DESIGN 5)"),
             None => "no compute floor (DESIGN 5's bf16 rate is the H200's)".to_string(),
+        },
+        if host {
+            String::new()
+        } else {
+            format!(", timed after {} ms of warm-up", a.warmup_ms)
         }
     );
     println!(
@@ -180,7 +196,13 @@ pub(crate) fn run(a: Args) -> Result<()> {
                     .unwrap_or(if t >= 1024 { 40 } else { 200 })
                     .max(1);
                 let tm = step(&format!("timing {t} tokens"), || {
-                    fp4moe::cuda::bench::time_layer(&spec, &w, &inputs, 2, iters, a.stages)
+                    let plan = fp4moe::cuda::bench::TimingPlan {
+                        copies: 2,
+                        iterations: iters,
+                        warmup_ms: a.warmup_ms,
+                        stages: a.stages,
+                    };
+                    fp4moe::cuda::bench::time_layer(&spec, &w, &inputs, plan)
                 })
                 .with_context(|| format!("{t} tokens"))?;
                 stages = tm.stages_us;
@@ -227,7 +249,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
     }
     let doc = serde_json::json!({
         "preset": p.name(), "mode": spec.quant.to_string(), "backend": backend.name(), "device": device,
-        "copy_bandwidth_gbs": bandwidth / 1e9, "bf16_tflops": tflops_floor, "experts": e, "top_k": k, "results": rows,
+        "copy_bandwidth_gbs": bandwidth / 1e9, "bf16_tflops": tflops_floor, "experts": e, "top_k": k,
+        "warmup_ms": (backend == Backend::Cuda).then_some(a.warmup_ms), "results": rows,
     });
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&doc)?;

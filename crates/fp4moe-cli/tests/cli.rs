@@ -382,6 +382,10 @@ fn bench_rejects_bad_arguments() {
     // Stage times come from CUDA graphs; on the CPU backend the flag is an error, not ignored.
     let o = fp4moe(&["bench", "--tokens", "1", "--backend", "cpu", "--stages"]);
     expect_error(&o, &["--stages", "cuda"]);
+    for bad in ["--warmup-ms=-1", "--warmup-ms=nan", "--warmup-ms=inf"] {
+        let o = fp4moe(&["bench", "--tokens", "1", "--backend", "cpu", bad]);
+        expect_error(&o, &["--warmup-ms"]);
+    }
 }
 
 /// `bench` on the CPU backend: the memory floor from this host's copy bandwidth, no compute
@@ -410,6 +414,8 @@ fn bench_on_the_cpu_reports_the_host_memory_floor() {
     assert!(o.status.success(), "{}", text(&o));
     let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert!(doc["bf16_tflops"].is_null(), "{doc}");
+    // The GPU warm-up does not apply to host backends.
+    assert!(doc["warmup_ms"].is_null(), "{doc}");
     assert!(doc["copy_bandwidth_gbs"].as_f64().unwrap() > 0.0, "{doc}");
     let rows = doc["results"].as_array().unwrap();
     assert_eq!(rows.len(), 2);

@@ -1,6 +1,12 @@
 //! Device timing for `fp4moe bench` (DESIGN 5): CUDA-graph replays of the whole layer (routing
 //! included) timed with CUDA events, after warm-up, rotating among several input sets and
 //! several uploaded copies of the weights so that neither stays resident in L2.
+//!
+//! The warm-up is measured in GPU time ([`TimingPlan::warmup_ms`]) because the clock is not
+//! constant under load: on the H200 a sustained prefill reaches the 700 W software power cap
+//! within ~50–100 ms and the SM clock falls from 1980 MHz to ~1750–1800 (run 119, KERNEL_NOTES
+//! session 27), so a short timing window after a short warm-up measures the boost clock, or a
+//! mix of both clocks (the "bimodal" medians of sessions 16–26).
 
 use super::{driver_err, CudaLayer, CudaWorkspace};
 use crate::error::{Error, Result};
@@ -50,47 +56,31 @@ pub struct Timing {
     pub stages_us: Option<Vec<f64>>,
 }
 
-/// Times `tokens`-token forwards: `inputs` token sets (each `[tokens, H]`), `copies` uploaded
-/// weight copies, one CUDA graph per (copy, input), `iterations` timed replays after warm-up;
-/// `stages`: also time graphs of the layer cut after 1, 2 and 3 of [`super::STAGES`]; a stage's
-/// time is the difference of successive medians (what the stage adds to a replay).
+/// How [`time_layer`] replays a layer.
+#[derive(Clone, Copy, Debug)]
+pub struct TimingPlan {
+    /// Uploaded weight copies (at least one), rotated with the inputs.
+    pub copies: usize,
+    /// Timed replays.
+    pub iterations: usize,
+    /// Untimed replays before the timed ones: three rounds of every graph, then more until at
+    /// least this many ms of GPU time have passed (0: the three rounds only), so the timed
+    /// replays run at the clock a sustained load settles to.
+    pub warmup_ms: f64,
+    /// Also time graphs of the layer cut after 1, 2 and 3 of [`super::STAGES`]; a stage's time
+    /// is the difference of successive medians (what the stage adds to a replay).
+    pub stages: bool,
+}
+
+/// Times `tokens`-token forwards: `inputs` token sets (each `[tokens, H]`), one CUDA graph per
+/// (weight copy, input), replayed as `plan` says.
 pub fn time_layer(
     spec: &MoeSpec,
     weights: &MoeWeights,
     inputs: &[Vec<f32>],
-    copies: usize,
-    iterations: usize,
-    stages: bool,
+    plan: TimingPlan,
 ) -> Result<Timing> {
-    // FP4MOE_BENCH_PAD_MB (a diagnostic knob, unset by default): a device buffer of that many MiB
-    // allocated before the weight copies and workspaces, which moves where they land.
-    // Nemotron's 4096-token median falls in one of two clusters per process (KERNEL_NOTES,
-    // session 26): a cluster that follows the pad would point at placement.
-    let pad_bytes = match std::env::var("FP4MOE_BENCH_PAD_MB") {
-        Ok(v) => v
-            .trim()
-            .parse::<usize>()
-            .ok()
-            .and_then(|mib| mib.checked_mul(1 << 20))
-            .ok_or_else(|| {
-                Error::arg(
-                    "FP4MOE_BENCH_PAD_MB",
-                    format!("{v:?} is not a whole number of MiB"),
-                )
-            })?,
-        Err(_) => 0,
-    };
-    let _pad = if pad_bytes > 0 {
-        let dev = super::device()?;
-        Some(
-            dev.stream
-                .alloc_zeros::<u8>(pad_bytes)
-                .map_err(driver_err("FP4MOE_BENCH_PAD_MB buffer"))?,
-        )
-    } else {
-        None
-    };
-    let mut layers: Vec<CudaLayer> = (0..copies.max(1))
+    let mut layers: Vec<CudaLayer> = (0..plan.copies.max(1))
         .map(|_| CudaLayer::new(spec, weights))
         .collect::<Result<_>>()?;
     let st = layers[0].stream().clone();
@@ -107,17 +97,17 @@ pub fn time_layer(
         layers[i % layers.len()].forward_device(ws, None)?;
     }
     st.synchronize().map_err(driver_err("synchronize"))?;
-    let times = replay_times(&layers, &mut wss, iterations)?;
+    let times = replay_times(&layers, &mut wss, &plan)?;
     if let Some(report) = layers[0].one_token_trace_report(&wss[0])? {
         eprintln!("{report}");
     }
-    let stages_us = if stages {
+    let stages_us = if plan.stages {
         let mut prefix = Vec::new();
         for limit in 1..super::STAGES.len() {
             for layer in &mut layers {
                 layer.set_stage_limit(Some(limit));
             }
-            let t = replay_times(&layers, &mut wss, iterations)?;
+            let t = replay_times(&layers, &mut wss, &plan)?;
             prefix.push(t[t.len() / 2]);
         }
         prefix.push(times[times.len() / 2]);
@@ -138,18 +128,20 @@ pub fn time_layer(
         median_us: times[times.len() / 2],
         min_us: times[0],
         max_us: times[times.len() - 1],
-        iterations,
+        iterations: plan.iterations,
         stages_us,
     })
 }
 
-/// Sorted µs of `iterations` replays of one CUDA graph per (input workspace, layer), cycled
-/// after three warm-up rounds, each timed between events.
+/// Sorted µs of `plan.iterations` replays of one CUDA graph per (input workspace, layer),
+/// cycled after the warm-up (three rounds, then whole rounds until `plan.warmup_ms` of GPU time
+/// have passed), each timed between events.
 fn replay_times(
     layers: &[CudaLayer],
     wss: &mut [CudaWorkspace],
-    iterations: usize,
+    plan: &TimingPlan,
 ) -> Result<Vec<f64>> {
+    let iterations = plan.iterations;
     let st = layers[0].stream().clone();
     let dev = layers[0].device();
     let mut graphs = Vec::new();
@@ -174,8 +166,24 @@ fn replay_times(
             .map_err(driver_err("events"))
     };
     let events: Vec<_> = (0..=iterations).map(|_| ev()).collect::<Result<_>>()?;
+    let warm_start = ev()?;
+    warm_start.record(&st).map_err(driver_err("events"))?;
     for g in graphs.iter().cycle().take(graphs.len() * 3) {
         g.launch().map_err(driver_err("graph launch"))?;
+    }
+    let warm_end = ev()?;
+    loop {
+        warm_end.record(&st).map_err(driver_err("events"))?;
+        warm_end.synchronize().map_err(driver_err("events"))?;
+        let ms = warm_start
+            .elapsed_ms(&warm_end)
+            .map_err(driver_err("events"))?;
+        if f64::from(ms) >= plan.warmup_ms {
+            break;
+        }
+        for g in &graphs {
+            g.launch().map_err(driver_err("graph launch"))?;
+        }
     }
     events[0].record(&st).map_err(driver_err("events"))?;
     for (it, g) in graphs.iter().cycle().take(iterations).enumerate() {
@@ -191,6 +199,32 @@ fn replay_times(
                 .map_err(driver_err("events"))
         })
         .collect::<Result<_>>()?;
+    // FP4MOE_BENCH_PER_GRAPH (diagnostic, unset by default): each graph's median on stderr, so a
+    // bimodal median can be traced to a weight copy or an input workspace (KERNEL_NOTES, session
+    // 27); `raw`: also every replay's time in launch order (drift over the run).
+    if std::env::var_os("FP4MOE_BENCH_PER_GRAPH").is_some() {
+        let per_graph: Vec<String> = (0..graphs.len())
+            .map(|g| {
+                let mut t: Vec<f64> = times
+                    .iter()
+                    .skip(g)
+                    .step_by(graphs.len())
+                    .copied()
+                    .collect();
+                t.sort_by(f64::total_cmp);
+                let (input, copy) = (g / layers.len(), g % layers.len());
+                format!(
+                    "in{input}/w{copy} {:.1}",
+                    t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+                )
+            })
+            .collect();
+        eprintln!("per graph (median µs): {}", per_graph.join("  "));
+        if std::env::var("FP4MOE_BENCH_PER_GRAPH").as_deref() == Ok("raw") {
+            let seq: Vec<String> = times.iter().map(|t| format!("{t:.0}")).collect();
+            eprintln!("replays in order (µs): {}", seq.join(" "));
+        }
+    }
     times.sort_by(f64::total_cmp);
     Ok(times)
 }
