@@ -43,9 +43,12 @@ struct GemmParams {
 };
 
 // 16-byte global → shared copy through the async copy engine (cp.async; src_bytes 0: zero-fill).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-    u32 s = (u32)__cvta_generic_to_shared(smem);
+// `s`: a shared-memory address (smem_u32).
+__device__ __forceinline__ void cp_async16_s(u32 s, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    cp_async16_s((u32)__cvta_generic_to_shared(smem), gmem, src_bytes);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -69,7 +72,7 @@ __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
 // acquire invalidates L1 on every wait: `CCTL.IVALL`, 2 % of the one-CTA kernel's warp
 // samples in run 43).
 template <bool CLUSTER>
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+__device__ __forceinline__ void mbar_wait_s(u32 bar, u32 parity) {
     u32 done;
     do {
         if constexpr (CLUSTER)
@@ -78,7 +81,7 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
                 "selp.u32 %0, 1, 0, p;\n}\n"
                 : "=r"(done)
-                : "r"(smem_u32(bar)), "r"(parity)
+                : "r"(bar), "r"(parity)
                 : "memory");
         else
             asm volatile(
@@ -86,9 +89,13 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
                 "selp.u32 %0, 1, 0, p;\n}\n"
                 : "=r"(done)
-                : "r"(smem_u32(bar)), "r"(parity)
+                : "r"(bar), "r"(parity)
                 : "memory");
     } while (!done);
+}
+template <bool CLUSTER>
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    mbar_wait_s<CLUSTER>(smem_u32(bar), parity);
 }
 
 // Exact NVFP4 → bf16 dequantization in registers, without tables (shared-memory lookups cost

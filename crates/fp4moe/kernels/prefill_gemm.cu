@@ -483,13 +483,19 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     }
     // Chunk c lives in stage c % STAGES; the loop keeps the stages it reads and refills as
     // running indices (`c % STAGES` was a multiply-high and three uniform operations per chunk).
+    // Shared addresses as 32-bit values made opaque once: ptxas otherwise rebuilds the shared
+    // window base (`S2UR SR_CgaCtaId`, a short-scoreboard wait) at the top of every chunk
+    // (run 116: 3.7 % of the dual GEMM1's warp samples).
+    u32 ring_s = smem_u32(ring), bars_s = smem_u32(bars);
+    asm volatile("" : "+r"(ring_s), "+r"(bars_s));
     auto stage_chunk = [&](int c, u32 st) {
         unsigned char* dst = ring + st * STAGE_BYTES;
+        const u32 dst_s = ring_s + st * STAGE_BYTES;
 #pragma unroll
         for (int r = 0; r < A_COPIES; r++) {
             if (A_PIECES % THREADS != 0 && tid + r * THREADS >= A_PIECES) continue;
             bool ok = a_left[r] > 0;
-            cp_async16(dst + (tid + r * THREADS) * 16, ok ? a_cur[r] : p.act, ok ? 16 : 0);
+            cp_async16_s(dst_s + (tid + r * THREADS) * 16, ok ? a_cur[r] : p.act, ok ? 16 : 0);
             a_cur[r] += 64;
             a_left[r] -= 64;
         }
@@ -497,7 +503,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         for (int r = 0; r < W_COPIES; r++) {
             // Warp-uniform: the last round's pieces belong to the first warps only.
             if (W_PIECES % THREADS != 0 && tid + r * THREADS >= W_PIECES) continue;
-            cp_async16(dst + w_dst[r], w_cur[r], w_step[r] ? 16 : 0);
+            cp_async16_s(dst_s + w_dst[r], w_cur[r], w_step[r] ? 16 : 0);
             w_cur[r] += w_step[r];
         }
 #if PF_WGMMA
@@ -570,7 +576,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         // cp.async-fed activations (generic proxy) before the wgmmas read them (async proxy). The
         // TMA feeds' boxes are async-proxy writes and the weights are read back by ld.shared:
         // no proxy crossing, so no fence (it cost a MEMBAR.ALL.CTA per chunk and thread).
-        if (TMA) mbar_wait<TMA == 2>(bars + rd, phase);
+        if (TMA) mbar_wait_s<TMA == 2>(bars_s + rd * 8, phase);
         else fence_proxy_async();
 #endif
         __syncthreads();
