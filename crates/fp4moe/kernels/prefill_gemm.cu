@@ -109,7 +109,7 @@ struct __align__(64) TmaMap {
 // Layout below the ring: the row table (PF_NT ints) and the tile pair, then the barriers, then
 // GEMM2's pair table; a 128-byte-swizzled stage must start 1024-byte aligned (descriptor base
 // offset 0).
-static_assert(PF_BARS_OFFSET >= PF_NT * 4 + 8 && PF_BARS_OFFSET % 8 == 0, "barriers overlap the row table");
+static_assert(PF_BARS_OFFSET >= PF_NT * 4 + 16 && PF_BARS_OFFSET % 8 == 0, "barriers overlap the row table and tile");
 // GEMM2: each tile column's pair and router weight, fetched before the k loop so that the
 // epilogue does not wait on two dependent global loads per item (run 47: 15 % of the wide
 // GEMM2's warp samples).
@@ -297,18 +297,20 @@ __device__ __forceinline__ void mma_sync_k16(float (&acc)[NSUB][4], const u32 a[
     }
 }
 
-// tile = {expert, first token} of this block's work item (expert -1: none), found by one warp
-// scanning the active experts' tile counts.
+// tile = {expert, first token, the expert's first sorted row, its token count} of this block's work
+// item (expert -1: none), found by one warp scanning the active experts' tile counts.
 template <int NT>
 __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile) {
     int lane = threadIdx.x & 31, target = blockIdx.y, na = p.num_active[0], run = 0;
     if (lane == 0) tile[0] = -1;
     __syncwarp();
     for (int c = 0; c < na && run <= target; c += 32) {
-        int s = c + lane, cnt = 0, e = 0;
+        int s = c + lane, cnt = 0, e = 0, base = 0, n = 0;
         if (s < na) {
             e = p.active[s];
-            cnt = (p.offsets[e + 1] - p.offsets[e] + NT - 1) / NT;
+            base = p.offsets[e];
+            n = p.offsets[e + 1] - base;
+            cnt = (n + NT - 1) / NT;
         }
         int incl = cnt;
 #pragma unroll
@@ -320,6 +322,8 @@ __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile) {
         if (cnt > 0 && target >= lo && target < lo + cnt) {
             tile[0] = e;
             tile[1] = (target - lo) * NT;
+            tile[2] = base;  // the expert's offsets, already here: no second round trip after the barrier
+            tile[3] = n;
         }
         run += __shfl_sync(FULL_MASK, incl, 31);
     }
@@ -655,7 +659,7 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     const int e = tile[0];
     if (e < 0) return;  // block-uniform
     const int t0 = tile[1];
-    const int base = p.offsets[e], n_e = p.offsets[e + 1] - base;
+    const int base = tile[2], n_e = tile[3];
     const int nvalid = min(NT, n_e - t0);
     PairTable* pairs = reinterpret_cast<PairTable*>(smem_raw + PF_PAIRS_OFFSET);
     if (STAGE == 2) {
