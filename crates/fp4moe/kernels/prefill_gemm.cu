@@ -106,9 +106,9 @@ struct __align__(64) TmaMap {
     u64 opaque[16];
 };
 #define PF_BARS_OFFSET 576  // full[PF_STAGES], empty[PF_STAGES] mbarriers (TMA kernels), below the ring
-// Layout below the ring: the row table (PF_NT ints) and the tile pair, then the barriers, then
-// GEMM2's pair table; a 128-byte-swizzled stage must start 1024-byte aligned (descriptor base
-// offset 0).
+// Layout below the ring: the row table (PF_NT ints) and the tile (4 ints, find_tile), then the
+// barriers, then GEMM2's pair table; a 128-byte-swizzled stage must start 1024-byte aligned
+// (descriptor base offset 0).
 static_assert(PF_BARS_OFFSET >= PF_NT * 4 + 16 && PF_BARS_OFFSET % 8 == 0, "barriers overlap the row table and tile");
 // GEMM2: each tile column's pair and router weight, fetched before the k loop so that the
 // epilogue does not wait on two dependent global loads per item (run 47: 15 % of the wide
@@ -493,7 +493,6 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     u32 ring_s = smem_u32(ring), bars_s = smem_u32(bars);
     asm volatile("" : "+r"(ring_s), "+r"(bars_s));
     auto stage_chunk = [&](int c, u32 st) {
-        unsigned char* dst = ring + st * STAGE_BYTES;
         const u32 dst_s = ring_s + st * STAGE_BYTES;
 #pragma unroll
         for (int r = 0; r < A_COPIES; r++) {
@@ -518,6 +517,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
             // each CTA; zero past K, and past the map's rows; rows of the next expert are
             // computed into columns nobody stores).
             u64* full = bars + st;
+            unsigned char* dst = ring + st * STAGE_BYTES;
             if constexpr (TMA == 2) {
                 mbar_expect_tx(full, NT * 128);
                 const u32 r = cluster_rank();
