@@ -202,7 +202,7 @@ fn replay_times(
     // FP4MOE_BENCH_PER_GRAPH (diagnostic, unset by default): each graph's median on stderr, so a
     // bimodal median can be traced to a weight copy or an input workspace (KERNEL_NOTES, session
     // 27); `raw`: also every replay's time in launch order (drift over the run).
-    if std::env::var_os("FP4MOE_BENCH_PER_GRAPH").is_some() {
+    if let Some(per_graph_mode) = std::env::var_os("FP4MOE_BENCH_PER_GRAPH") {
         let per_graph: Vec<String> = (0..graphs.len())
             .map(|g| {
                 let mut t: Vec<f64> = times
@@ -220,7 +220,7 @@ fn replay_times(
             })
             .collect();
         eprintln!("per graph (median µs): {}", per_graph.join("  "));
-        if std::env::var("FP4MOE_BENCH_PER_GRAPH").as_deref() == Ok("raw") {
+        if per_graph_mode == "raw" {
             let seq: Vec<String> = times.iter().map(|t| format!("{t:.0}")).collect();
             eprintln!("replays in order (µs): {}", seq.join(" "));
         }
