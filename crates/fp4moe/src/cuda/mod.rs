@@ -234,7 +234,7 @@ struct GemmParams {
     act_alpha: f32,
     gs_out: f32,
     tile_rows: i32,
-    pad_: i32,
+    experts: i32,
 }
 
 // SAFETY: `GemmParams` is `repr(C)`, plain old data, and mirrors the kernel's parameter struct
@@ -249,6 +249,8 @@ struct Grouping {
     sorted: u64,
     active: u64,
     num_active: u64,
+    /// Experts the offsets cover (`offsets[0..=experts]`).
+    experts: i32,
 }
 
 impl Grouping {
@@ -270,6 +272,7 @@ impl Grouping {
             sorted: self.sorted,
             active: self.active,
             num_active: self.num_active,
+            experts: self.experts,
             ..params
         }
     }
@@ -2432,6 +2435,7 @@ impl CudaLayer {
             sorted,
             active,
             num_active: num,
+            ..
         } = grouping;
         let block = |grid: usize, smem: usize| LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
@@ -2486,6 +2490,7 @@ impl CudaLayer {
             sorted: ptr(&ws.sorted, st),
             active: ptr(&ws.active, st),
             num_active: ptr(&ws.num_active, st),
+            experts: self.spec.shape.experts as i32,
         }
     }
 
@@ -2716,6 +2721,7 @@ impl CudaLayer {
                 sorted: ptr(&ws.sh_sorted, st),
                 active: ptr(&ws.sh_active, st),
                 num_active: ptr(&ws.sh_num, st),
+                experts: 1,
             };
             let ones = ptr(&ws.sh_ones, st);
             let (sg, xs_p) = (ptr(&ws.sh_g, st), ptr(&ws.xs, st));
@@ -3231,10 +3237,15 @@ mod tests {
             "act_alpha",
             "gs_out",
             "tile_rows",
-            "pad_",
+            "experts",
         ];
         assert_eq!(scalars, want);
         assert_eq!(body.matches('*').count(), 11);
+        // find_tile sizes its per-thread expert slices for the host's limit.
+        assert_eq!(
+            compile::kernel_define("prefill_gemm.cu", "PF_MAX_EXPERTS"),
+            MAX_EXPERTS
+        );
     }
 
     #[test]
