@@ -39,7 +39,7 @@ struct GemmParams {
     float act_alpha;
     float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
     int tile_rows;   // expert_stream.cu: activation rows per pass (the rows its shared memory holds)
-    int experts;     // experts `offsets` covers (offsets[0..experts]; prefill_gemm.cu's find_tile)
+    int experts;     // experts `offsets` covers (offsets[0] .. offsets[experts]; prefill_gemm.cu's find_tile)
 };
 
 // 16-byte global → shared copy through the async copy engine (cp.async; src_bytes 0: zero-fill).

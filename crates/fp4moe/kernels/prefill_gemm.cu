@@ -304,7 +304,7 @@ __device__ __forceinline__ void mma_sync_k16(float (&acc)[NSUB][4], const u32 a[
 // start copying, where one warp scanning the active list 32 experts at a time took ~2.8 rounds
 // of two dependent loads (run 116: the other warps' wait was 4.5 % of the dual GEMM1's samples).
 // Tiles come in increasing expert id, the active list's order. `scratch`: WARPS ints, read
-// before the caller's next barrier; complete after it.
+// before the caller's next barrier; `tile` is complete after that barrier.
 #define PF_MAX_EXPERTS 512  // cuda::MAX_EXPERTS
 template <int NT, int THREADS>
 __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile, int* scratch) {
