@@ -54,16 +54,17 @@ __device__ __forceinline__ void dequant_fragment(u32 word, u32 sg, u32 sg8, cons
 // groups, many K slices: many blocks, for few tokens) and wide (one activation staging serves
 // 64 or 128 weight rows, for larger batches).
 
+// The B fragments of subtile s come from shared address `b_s` + s · sub_bytes (`b_s`: row g of
+// subtile 0 at the lane's k 2q of this 16-wide k block; b1 is 8 k further on). Subtile 0 always
+// holds a token (t0 < n_e), so only the later ones are guarded.
 template <int NSUB>
-__device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4], const __nv_bfloat16* sact,
-                                             int stride, int kc, int g, int nsub_valid) {
+__device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4], u32 b_s, int sub_bytes,
+                                             int nsub_valid) {
 #pragma unroll
     for (int s = 0; s < NSUB; s++) {
-        if (s < nsub_valid) {
-            const __nv_bfloat16* row = sact + (s * 8 + g) * stride + kc;
-            u32 b0 = *reinterpret_cast<const u32*>(row);
-            u32 b1 = *reinterpret_cast<const u32*>(row + 8);
-            mma_bf16_16816(acc[s], a, b0, b1);
+        if (s == 0 || s < nsub_valid) {
+            const u32 row = b_s + s * sub_bytes;
+            mma_bf16_16816(acc[s], a, lds_u32(row), lds_u32(row + 16));
         }
     }
 }
@@ -91,19 +92,19 @@ __device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, const u32
 // One 64-wide k group of NVFP4 weights against the staged activations.
 template <int NSUB, bool GATED>
 __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 su, int kgi, float acc[NSUB][4],
-                                             float accu[NSUB][4], const u32* lut4, const u32* lut8,
-                                             const __nv_bfloat16* sact, int stride, int g, int q, int nsub_valid) {
+                                             float accu[NSUB][4], const u32* lut4, const u32* lut8, u32 b_s,
+                                             int sub_bytes, int nsub_valid) {
     const u32 dw[4] = {d.x, d.y, d.z, d.w};
     const u32 duw[4] = {du.x, du.y, du.z, du.w};
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-        int kc = (kgi * 4 + j) * 16 + 2 * q;
+        const u32 kb_s = b_s + (kgi * 4 + j) * 32;  // k block kgi·4 + j: 16 bf16
         u32 a[4];
         decode_fragment<NSUB>(dw[j], s, j, lut4, lut8, a);
-        mma_subtiles<NSUB>(acc, a, sact, stride, kc, g, nsub_valid);
+        mma_subtiles<NSUB>(acc, a, kb_s, sub_bytes, nsub_valid);
         if (GATED) {
             decode_fragment<NSUB>(duw[j], su, j, lut4, lut8, a);
-            mma_subtiles<NSUB>(accu, a, sact, stride, kc, g, nsub_valid);
+            mma_subtiles<NSUB>(accu, a, kb_s, sub_bytes, nsub_valid);
         }
     }
 }
@@ -136,6 +137,13 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 
     const int kp = p.kg * 64;
     const int stride = kp + 8;
+    // The lane's B-fragment address (row g, k 2q) as a 32-bit shared address, made opaque so
+    // ptxas keeps it in a register: otherwise it rebuilt the shared window base from
+    // SR_CgaCtaId before every fragment load (8 times per loop iteration of the one-subtile
+    // kernels).
+    u32 brow_s = smem_u32(sact + g * stride + 2 * q);
+    asm volatile("" : "+r"(brow_s));
+    const int sub_bytes = 8 * stride * 2;
     for (int t0 = 0; t0 < n_e; t0 += NT) {
         __syncthreads();
         int nvalid = min(NT, n_e - t0);
@@ -182,10 +190,11 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 load(k_lo, da, sa, dua, sua);
                 if (k_lo + 1 < k_hi) load(k_lo + 1, db, sb, dub, sub);
                 for (int kgi = k_lo; kgi < k_hi; kgi += 2) {
-                    nvfp4_kgroup<NSUB, GATED>(da, sa, dua, sua, kgi, acc, accu, lut4, lut8, sact, stride, g, q, nsub_valid);
+                    nvfp4_kgroup<NSUB, GATED>(da, sa, dua, sua, kgi, acc, accu, lut4, lut8, brow_s, sub_bytes, nsub_valid);
                     if (kgi + 2 < k_hi) load(kgi + 2, da, sa, dua, sua);
                     if (kgi + 1 < k_hi) {
-                        nvfp4_kgroup<NSUB, GATED>(db, sb, dub, sub, kgi + 1, acc, accu, lut4, lut8, sact, stride, g, q, nsub_valid);
+                        nvfp4_kgroup<NSUB, GATED>(db, sb, dub, sub, kgi + 1, acc, accu, lut4, lut8, brow_s, sub_bytes,
+                                                  nsub_valid);
                         if (kgi + 3 < k_hi) load(kgi + 3, db, sb, dub, sub);
                     }
                 }
@@ -196,11 +205,11 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 for (int kb = 4 * k_lo; kb < 4 * k_hi; kb++) {
                     uint4 d = ld_stream(wd + kb * 32);
                     const u32 a[4] = {d.x, d.y, d.z, d.w};
-                    mma_subtiles<NSUB>(acc, a, sact, stride, kb * 16 + 2 * q, g, nsub_valid);
+                    mma_subtiles<NSUB>(acc, a, brow_s + kb * 32, sub_bytes, nsub_valid);
                     if (GATED) {
                         uint4 du = ld_stream(wdu + kb * 32);
                         const u32 au[4] = {du.x, du.y, du.z, du.w};
-                        mma_subtiles<NSUB>(accu, au, sact, stride, kb * 16 + 2 * q, g, nsub_valid);
+                        mma_subtiles<NSUB>(accu, au, brow_s + kb * 32, sub_bytes, nsub_valid);
                     }
                 }
             }

@@ -61,6 +61,13 @@ __device__ __forceinline__ void cp_async_wait() {
 // included) with later async-proxy ones (wgmma reads, bulk-copy writes).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// 32-bit load from shared address `s`. `volatile` keeps it after the __syncthreads that publishes
+// the data (a non-volatile asm without memory operands counts as pure and could be hoisted).
+__device__ __forceinline__ u32 lds_u32(u32 s) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(s));
+    return v;
+}
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
