@@ -895,20 +895,23 @@ pub enum GemmPath {
 pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
 
 /// Mean tokens per expert, in quarters, from which the prefill kernels take over once a batch
-/// has [`PREFILL_SPARSE_MIN_PAIRS`] routed pairs (1: from 0.25 tokens per expert). Measured
-/// (docs/KERNEL_NOTES.md run 96, µs, decode kernels against forced prefill): Nemotron-3 Nano
-/// (E 128, top-6) 3 tokens 69.2 / 84.0, 4 tokens 87.7 / 85.4, 6 106.2 / 96.7, 8 131.1 / 124.1,
-/// 10 146.5 / 132.1; Qwen3-30B-A3B (E 128, top-8) 3 tokens 63.7 / 65.5, 4 68.8 / 67.4, 6
-/// 77.4 / 72.4. So from 32 pairs (Nemotron 6 tokens, Qwen3 4) the 32-token tiles win by 2–10 %,
-/// at 24 pairs the decode kernels by 3 % on Qwen3 (Nemotron's 4 tokens, 24 pairs, would gain
-/// 3 % and stays on decode). Was 0.5 per expert from 64 pairs (runs 71–73, before the 8-column
-/// tiles' gains at small batches were measured here); 256 experts are not measured.
+/// has [`PREFILL_SPARSE_MIN_PAIRS_GATED`] (gated experts) or [`PREFILL_SPARSE_MIN_PAIRS_PLAIN`]
+/// (non-gated) routed pairs (1: from 0.25 tokens per expert); 256 experts are not measured.
 pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 1;
 
-/// Routed pairs from which [`PREFILL_FROM_QUARTERS_PER_EXPERT`] applies: below, the 3-per-expert
-/// rule stands, so layers with few experts keep the streaming decode kernels for one or two
-/// tokens (not re-measured there).
-pub const PREFILL_SPARSE_MIN_PAIRS: usize = 32;
+/// Routed pairs from which gated layers take the prefill kernels below 3 tokens per expert.
+/// Measured (docs/KERNEL_NOTES.md run 123, µs, forced decode / forced prefill, since the decode
+/// GEMMs' fragment loads no longer rebuild the shared base): Qwen3-30B-A3B (E 128, top-8) 4
+/// tokens (32 pairs) 66.5 / 67.8, 5 (40) 70.3 / 74.5, 6 (48) 73.7 / 72.4, 8 91.9 / 90.8, 12
+/// 116.5 / 114.3, 16 122.7 / 118.6. Was 32 for both kinds (run 96).
+pub const PREFILL_SPARSE_MIN_PAIRS_GATED: usize = 48;
+
+/// Routed pairs from which non-gated layers take the prefill kernels below 3 tokens per
+/// expert. Measured (run 123, µs, forced decode / forced prefill): Nemotron-3 Nano (E 128,
+/// top-6) 4 tokens (24 pairs) 74.3 / 85.1, 6 (36) 89.5 / 96.3, 8 (48) 108.4 / 124.4, 12 (72)
+/// 126.5 / 155.3, 16 (96) 157.2 / 169.8: the one-subtile decode GEMMs lost a third of their
+/// loop's instructions there, the gated ones little. Was 32 (run 96).
+pub const PREFILL_SPARSE_MIN_PAIRS_PLAIN: usize = 160;
 
 /// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
 /// tiles are faster at 24, slower at 48; run 15).
@@ -1304,24 +1307,31 @@ impl GemmPath {
         tuning_choice(&KNOB, "FP4MOE_GEMM_PATH", &choices)
     }
 
-    /// The path for `pairs` routed pairs over `experts` experts: `forced` when given, else
-    /// prefill from [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert, or from
+    /// The path for `pairs` routed pairs over `experts` experts (`gated`: SwiGLU-style experts,
+    /// whose decode GEMMs run two weight rows per output): `forced` when given, else prefill
+    /// from [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert, or from
     /// [`PREFILL_FROM_QUARTERS_PER_EXPERT`] quarter tokens per expert once there are
-    /// [`PREFILL_SPARSE_MIN_PAIRS`] pairs; decode whenever the device lacks even the small
-    /// prefill tiles' shared memory.
+    /// [`PREFILL_SPARSE_MIN_PAIRS_GATED`] / [`PREFILL_SPARSE_MIN_PAIRS_PLAIN`] pairs; decode
+    /// whenever the device lacks even the small prefill tiles' shared memory.
     pub fn choose(
         pairs: usize,
         experts: usize,
+        gated: bool,
         max_shared_bytes: usize,
         forced: Option<Self>,
     ) -> Self {
+        let sparse_min_pairs = if gated {
+            PREFILL_SPARSE_MIN_PAIRS_GATED
+        } else {
+            PREFILL_SPARSE_MIN_PAIRS_PLAIN
+        };
         if PREFILL_SMEM > max_shared_bytes {
             return GemmPath::Decode;
         }
         match forced {
             Some(path) => path,
             None if pairs / experts.max(1) >= PREFILL_MIN_TOKENS_PER_EXPERT => GemmPath::Prefill,
-            None if pairs >= PREFILL_SPARSE_MIN_PAIRS
+            None if pairs >= sparse_min_pairs
                 && 4 * pairs >= PREFILL_FROM_QUARTERS_PER_EXPERT * experts =>
             {
                 GemmPath::Prefill
@@ -2178,7 +2188,8 @@ impl CudaLayer {
     /// The layer's forced path, else `FP4MOE_GEMM_PATH`, else [`GemmPath::choose`]'s rule.
     fn path_for(&self, pairs: usize, experts: usize) -> GemmPath {
         let forced = self.gemm_path.or_else(GemmPath::from_env);
-        GemmPath::choose(pairs, experts, self.dev.max_shared_bytes, forced)
+        let gated = self.spec.activation.is_gated();
+        GemmPath::choose(pairs, experts, gated, self.dev.max_shared_bytes, forced)
     }
 
     /// One prefill GEMM (`prefill_gemm.cu`): grid x over the tile's weight-row tiles
@@ -2980,43 +2991,49 @@ mod tests {
     #[test]
     fn gemm_path_follows_tokens_per_expert_and_shared_memory() {
         let h200 = 227 * 1024;
-        // Nemotron-3 Nano (E 128, top-6): 5 tokens = 30 pairs (below 32), 6 = 36 pairs
-        // (0.28 per expert); Qwen3 (E 128, top-8): 4 tokens = 32 pairs = 0.25 per expert.
-        assert_eq!(GemmPath::choose(5 * 6, 128, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(6 * 6, 128, h200, None), GemmPath::Prefill);
-        assert_eq!(GemmPath::choose(3 * 8, 128, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(4 * 8, 128, h200, None), GemmPath::Prefill);
-        // 256 experts (top-8): 0.25 per expert is 64 pairs, 8 tokens.
-        assert_eq!(GemmPath::choose(63, 256, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(64, 256, h200, None), GemmPath::Prefill);
-        // Few experts: 3 tokens per expert below 32 pairs (8 experts, top-8: one token, 8
-        // pairs, stays on the decode kernels; 24 pairs = 3 per expert take prefill).
-        assert_eq!(GemmPath::choose(8, 8, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(23, 8, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(24, 8, h200, None), GemmPath::Prefill);
-        // A shared expert is one expert holding every token.
-        assert_eq!(GemmPath::choose(2, 1, h200, None), GemmPath::Decode);
-        assert_eq!(GemmPath::choose(3, 1, h200, None), GemmPath::Prefill);
-        // Forced either way.
-        let forced = Some(GemmPath::Prefill);
-        assert_eq!(GemmPath::choose(1, 128, h200, forced), GemmPath::Prefill);
-        let forced = Some(GemmPath::Decode);
+        let choose = |pairs, experts, gated, smem, forced| {
+            GemmPath::choose(pairs, experts, gated, smem, forced)
+        };
+        // Qwen3 (E 128, top-8, gated): 5 tokens = 40 pairs stay on decode, 6 = 48 take prefill.
+        assert_eq!(choose(5 * 8, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(6 * 8, 128, true, h200, None), GemmPath::Prefill);
+        // Nemotron-3 Nano (E 128, top-6, non-gated): decode up to 159 pairs (26 tokens).
+        assert_eq!(choose(16 * 6, 128, false, h200, None), GemmPath::Decode);
         assert_eq!(
-            GemmPath::choose(1 << 20, 128, h200, forced),
+            choose(PREFILL_SPARSE_MIN_PAIRS_PLAIN - 1, 128, false, h200, None),
             GemmPath::Decode
         );
-        // sm_86/89 (99 KB) run the small tiles; nothing smaller than them runs prefill.
-        let sm89 = 99 * 1024;
         assert_eq!(
-            GemmPath::choose(1 << 20, 128, sm89, None),
+            choose(PREFILL_SPARSE_MIN_PAIRS_PLAIN, 128, false, h200, None),
             GemmPath::Prefill
         );
+        // From 3 tokens per expert prefill, whatever the kind.
+        assert_eq!(choose(3 * 32, 32, false, h200, None), GemmPath::Prefill);
+        // 256 experts (top-8, gated): 0.25 per expert is 64 pairs, 8 tokens.
+        assert_eq!(choose(63, 256, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(64, 256, true, h200, None), GemmPath::Prefill);
+        // Few experts: 3 tokens per expert below the sparse thresholds (8 experts, top-8: one
+        // token, 8 pairs, stays on the decode kernels; 24 pairs = 3 per expert take prefill).
+        assert_eq!(choose(8, 8, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(23, 8, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(24, 8, true, h200, None), GemmPath::Prefill);
+        // A shared expert is one expert holding every token.
+        assert_eq!(choose(2, 1, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(3, 1, false, h200, None), GemmPath::Prefill);
+        // Forced either way.
+        let forced = Some(GemmPath::Prefill);
+        assert_eq!(choose(1, 128, false, h200, forced), GemmPath::Prefill);
+        let forced = Some(GemmPath::Decode);
+        assert_eq!(choose(1 << 20, 128, true, h200, forced), GemmPath::Decode);
+        // sm_86/89 (99 KB) run the small tiles; nothing smaller than them runs prefill.
+        let sm89 = 99 * 1024;
+        assert_eq!(choose(1 << 20, 128, true, sm89, None), GemmPath::Prefill);
         let tiny = PREFILL_SMEM - 1;
         assert_eq!(
-            GemmPath::choose(1 << 20, 128, tiny, Some(GemmPath::Prefill)),
+            choose(1 << 20, 128, false, tiny, Some(GemmPath::Prefill)),
             GemmPath::Decode
         );
-        assert_eq!(GemmPath::choose(0, 0, h200, None), GemmPath::Decode);
+        assert_eq!(choose(0, 0, true, h200, None), GemmPath::Decode);
     }
 
     #[test]
