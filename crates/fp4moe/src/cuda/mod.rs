@@ -894,24 +894,22 @@ pub enum GemmPath {
 /// rule for a dense expert, the shared one, and for layers with few experts).
 pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
 
-/// Mean tokens per expert, in quarters, from which the prefill kernels take over once a batch
-/// has [`PREFILL_SPARSE_MIN_PAIRS_GATED`] (gated experts) or [`PREFILL_SPARSE_MIN_PAIRS_PLAIN`]
-/// (non-gated) routed pairs (1: from 0.25 tokens per expert); 256 experts are not measured.
+/// Mean tokens per expert, in quarters, from which gated layers take the prefill kernels once a
+/// batch has [`PREFILL_SPARSE_MIN_PAIRS_GATED`] routed pairs (1: from 0.25 tokens per expert);
+/// 256 experts are not measured. Non-gated layers keep the decode kernels below
+/// [`PREFILL_MIN_TOKENS_PER_EXPERT`]: measured (docs/KERNEL_NOTES.md runs 123–125, µs, forced
+/// decode / forced prefill, Nemotron-3 Nano, E 128, top-6) 4 tokens 74.3 / 85.1, 8 108.4 /
+/// 124.4, 16 156.5 / 169.2, 32 196.2 / 213.7, 48 226.7 / 236.4, 64 (3 per expert) 252.4 /
+/// 255.5, 96 453 / 278: since the decode GEMMs' fragment loads stopped rebuilding the shared
+/// window base (29 % of the one-subtile loop's instructions) they win up to 3 per expert.
+/// The gated decode GEMMs gained little (their loop had no such rebuild).
 pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 1;
 
 /// Routed pairs from which gated layers take the prefill kernels below 3 tokens per expert.
-/// Measured (docs/KERNEL_NOTES.md run 123, µs, forced decode / forced prefill, since the decode
-/// GEMMs' fragment loads no longer rebuild the shared base): Qwen3-30B-A3B (E 128, top-8) 4
+/// Measured (run 123, µs, forced decode / forced prefill): Qwen3-30B-A3B (E 128, top-8) 4
 /// tokens (32 pairs) 66.5 / 67.8, 5 (40) 70.3 / 74.5, 6 (48) 73.7 / 72.4, 8 91.9 / 90.8, 12
 /// 116.5 / 114.3, 16 122.7 / 118.6. Was 32 for both kinds (run 96).
 pub const PREFILL_SPARSE_MIN_PAIRS_GATED: usize = 48;
-
-/// Routed pairs from which non-gated layers take the prefill kernels below 3 tokens per
-/// expert. Measured (run 123, µs, forced decode / forced prefill): Nemotron-3 Nano (E 128,
-/// top-6) 4 tokens (24 pairs) 74.3 / 85.1, 6 (36) 89.5 / 96.3, 8 (48) 108.4 / 124.4, 12 (72)
-/// 126.5 / 155.3, 16 (96) 157.2 / 169.8: the one-subtile decode GEMMs lost a third of their
-/// loop's instructions there, the gated ones little. Was 32 (run 96).
-pub const PREFILL_SPARSE_MIN_PAIRS_PLAIN: usize = 160;
 
 /// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
 /// tiles are faster at 24, slower at 48; run 15).
@@ -1309,10 +1307,10 @@ impl GemmPath {
 
     /// The path for `pairs` routed pairs over `experts` experts (`gated`: SwiGLU-style experts,
     /// whose decode GEMMs run two weight rows per output): `forced` when given, else prefill
-    /// from [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert, or from
+    /// from [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert, or, gated, from
     /// [`PREFILL_FROM_QUARTERS_PER_EXPERT`] quarter tokens per expert once there are
-    /// [`PREFILL_SPARSE_MIN_PAIRS_GATED`] / [`PREFILL_SPARSE_MIN_PAIRS_PLAIN`] pairs; decode
-    /// whenever the device lacks even the small prefill tiles' shared memory.
+    /// [`PREFILL_SPARSE_MIN_PAIRS_GATED`] pairs; decode whenever the device lacks even the
+    /// small prefill tiles' shared memory.
     pub fn choose(
         pairs: usize,
         experts: usize,
@@ -1320,18 +1318,14 @@ impl GemmPath {
         max_shared_bytes: usize,
         forced: Option<Self>,
     ) -> Self {
-        let sparse_min_pairs = if gated {
-            PREFILL_SPARSE_MIN_PAIRS_GATED
-        } else {
-            PREFILL_SPARSE_MIN_PAIRS_PLAIN
-        };
         if PREFILL_SMEM > max_shared_bytes {
             return GemmPath::Decode;
         }
         match forced {
             Some(path) => path,
             None if pairs / experts.max(1) >= PREFILL_MIN_TOKENS_PER_EXPERT => GemmPath::Prefill,
-            None if pairs >= sparse_min_pairs
+            None if gated
+                && pairs >= PREFILL_SPARSE_MIN_PAIRS_GATED
                 && 4 * pairs >= PREFILL_FROM_QUARTERS_PER_EXPERT * experts =>
             {
                 GemmPath::Prefill
@@ -2997,18 +2991,13 @@ mod tests {
         // Qwen3 (E 128, top-8, gated): 5 tokens = 40 pairs stay on decode, 6 = 48 take prefill.
         assert_eq!(choose(5 * 8, 128, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(6 * 8, 128, true, h200, None), GemmPath::Prefill);
-        // Nemotron-3 Nano (E 128, top-6, non-gated): decode up to 159 pairs (26 tokens).
-        assert_eq!(choose(16 * 6, 128, false, h200, None), GemmPath::Decode);
-        assert_eq!(
-            choose(PREFILL_SPARSE_MIN_PAIRS_PLAIN - 1, 128, false, h200, None),
-            GemmPath::Decode
-        );
-        assert_eq!(
-            choose(PREFILL_SPARSE_MIN_PAIRS_PLAIN, 128, false, h200, None),
-            GemmPath::Prefill
-        );
-        // From 3 tokens per expert prefill, whatever the kind.
-        assert_eq!(choose(3 * 32, 32, false, h200, None), GemmPath::Prefill);
+        // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 3 tokens per expert (63
+        // tokens = 378 pairs), prefill from 64 tokens (384 pairs).
+        assert_eq!(choose(8 * 6, 128, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(63 * 6, 128, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(64 * 6, 128, false, h200, None), GemmPath::Prefill);
+        // The same 378 pairs gated take prefill (from 48).
+        assert_eq!(choose(63 * 6, 128, true, h200, None), GemmPath::Prefill);
         // 256 experts (top-8, gated): 0.25 per expert is 64 pairs, 8 tokens.
         assert_eq!(choose(63, 256, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(64, 256, true, h200, None), GemmPath::Prefill);
