@@ -2052,11 +2052,17 @@ impl CudaLayer {
     /// routing: 1 up to 4, 2 up to 12, else 4, and never more than shared memory allows.
     /// Busier experts take several passes (their weights come from L2 the second time); larger
     /// tiles cost more than that in occupancy (measured: docs/KERNEL_NOTES.md).
+    /// `FP4MOE_DECODE_NSUB=1|2|4` asks for another count (a benchmark knob; shared memory still
+    /// bounds it).
     fn nsub(&self, tokens: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let per_expert = (tokens * self.spec.routing.top_k)
             .div_ceil(self.spec.shape.experts)
             .max(1);
-        let want = if tokens <= 8 || per_expert <= 4 {
+        let forced = tuning_choice(&KNOB, "FP4MOE_DECODE_NSUB", &[("1", 1), ("2", 2), ("4", 4)]);
+        let want = if let Some(n) = forced {
+            n
+        } else if tokens <= 8 || per_expert <= 4 {
             1
         } else if per_expert <= 12 {
             2
