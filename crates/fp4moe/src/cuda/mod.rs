@@ -891,7 +891,8 @@ pub enum GemmPath {
 }
 
 /// Mean tokens per expert from which the prefill kernels take over (run 15's crossover; the
-/// rule for a dense expert, the shared one, and for layers with few experts).
+/// rule for a dense expert, the shared one, layers with few experts, and since run 125 the only
+/// rule for non-gated layers).
 pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
 
 /// Mean tokens per expert, in quarters, from which gated layers take the prefill kernels once a
@@ -2996,6 +2997,7 @@ mod tests {
         };
         // Qwen3 (E 128, top-8, gated): 5 tokens = 40 pairs stay on decode, 6 = 48 take prefill.
         assert_eq!(choose(5 * 8, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(47, 128, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(6 * 8, 128, true, h200, None), GemmPath::Prefill);
         // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 3 tokens per expert (63
         // tokens = 378 pairs), prefill from 64 tokens (384 pairs).
@@ -3007,6 +3009,9 @@ mod tests {
         // 256 experts (top-8, gated): 0.25 per expert is 64 pairs, 8 tokens.
         assert_eq!(choose(63, 256, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(64, 256, true, h200, None), GemmPath::Prefill);
+        // Non-gated layers ignore the quarter-per-expert rule at any expert count.
+        assert_eq!(choose(64, 256, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(3 * 256, 256, false, h200, None), GemmPath::Prefill);
         // Few experts: 3 tokens per expert below the sparse thresholds (8 experts, top-8: one
         // token, 8 pairs, stays on the decode kernels; 24 pairs = 3 per expert take prefill).
         assert_eq!(choose(8, 8, true, h200, None), GemmPath::Decode);
