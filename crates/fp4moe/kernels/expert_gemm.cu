@@ -15,11 +15,9 @@
 // four A-fragment registers.
 #include "gemm_common.cuh"
 
-// The decode kernels with two or four token subtiles dequantize through two shared-memory tables
-// (faster there than gemm_common.cuh's table-free dequant_fragment_alu, which the prefill
-// kernels and, as dequant_fragment_alu_rows, the one-subtile variants use, in runs 9 and 24; as fast since run 34's cheaper
-// conversion, which would take the gated variants from 126 to 151 registers; see
-// docs/KERNEL_NOTES.md): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
+// The narrow two-subtile and all four-subtile decode kernels dequantize through two shared-memory
+// tables (the others use gemm_common.cuh's table-free dequant_fragment_alu, see alu_dequant
+// below; the table-free form spills in the narrow two-subtile GEMM2): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
 // lut8[c] = bf16x2 (S, S) of scale code c (cuda/pack.rs: S's bf16 bits are c · 16 + 117 · 128).
 // Every product e2m1 · S has at most 6 significant bits, so the bf16 multiply is exact.
 __device__ __forceinline__ void fill_dequant_tables(u32* lut4, u32* lut8) {
@@ -69,19 +67,21 @@ __device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4],
     }
 }
 
-// Table-free dequantization for one-subtile blocks (a few tokens per expert): the tables' shared-
-// memory lookups kept the L1/shared pipe 64 % busy at T = 1 (KERNEL_NOTES run 23) while the
-// register cost that made the ALU version slower for wider tiles (run 9) does not arise with one
-// subtile. Products then carry 2^-8, undone in the epilogue.
-template <int NSUB>
-__device__ constexpr bool alu_dequant() { return NSUB == 1; }
+// Table-free dequantization (products then carry 2^-8, undone in the epilogue) for one subtile,
+// and for two in the wide shape (RGPB > 2). The tables' shared-memory lookups kept the L1/shared
+// pipe 64 % busy at T = 1 (KERNEL_NOTES run 23) and cost the two-subtile loops 48 of their 80
+// LDS per iteration; without them the wide two-subtile GEMMs took 37-39 % less time (run 128,
+// Nemotron, 64-256 tokens). The narrow two-subtile GEMM2 spills without the tables (its shape
+// runs up to 2 tokens only), and the four-subtile kernels are not measured so.
+template <int NSUB, int RGPB>
+__device__ constexpr bool alu_dequant() { return NSUB == 1 || (NSUB == 2 && RGPB > 2); }
 
 // The A fragment of k block j of a 64-wide group: packed word w, the lane's eight scale codes s
 // (byte 2j: row g, 2j + 1: row g + 8).
-template <int NSUB>
+template <bool ALU>
 __device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, const u32* lut4, const u32* lut8, u32 a[4]) {
-    if (alu_dequant<NSUB>())
-        dequant_fragment_alu_rows(w, s, j, a);
+    if (ALU)
+        dequant_fragment_alu(w, scale_pairs(s, j), a);  // both rows' scales in one swizzled pair
     else {
         // Row g's code of block j is byte 2j of the lane's eight, row g + 8's byte 2j + 1.
         const u32 half = (j < 2 ? s.x : s.y) >> (16 * (j & 1));
@@ -90,7 +90,7 @@ __device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, const u32
 }
 
 // One 64-wide k group of NVFP4 weights against the staged activations.
-template <int NSUB, bool GATED>
+template <int NSUB, bool GATED, bool ALU>
 __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 su, int kgi, float acc[NSUB][4],
                                              float accu[NSUB][4], const u32* lut4, const u32* lut8, u32 b_s,
                                              int sub_bytes, int nsub_valid) {
@@ -100,10 +100,10 @@ __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 s
     for (int j = 0; j < 4; j++) {
         const u32 kb_s = b_s + (kgi * 4 + j) * 32;  // k block kgi·4 + j: 16 bf16
         u32 a[4];
-        decode_fragment<NSUB>(dw[j], s, j, lut4, lut8, a);
+        decode_fragment<ALU>(dw[j], s, j, lut4, lut8, a);
         mma_subtiles<NSUB>(acc, a, kb_s, sub_bytes, nsub_valid);
         if (GATED) {
-            decode_fragment<NSUB>(duw[j], su, j, lut4, lut8, a);
+            decode_fragment<ALU>(duw[j], su, j, lut4, lut8, a);
             mma_subtiles<NSUB>(accu, a, kb_s, sub_bytes, nsub_valid);
         }
     }
@@ -115,6 +115,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     constexpr int KSPLIT = NWARPS / RGPB;
     constexpr int NT = 8 * NSUB;
     constexpr int NACC = NSUB * 4 * (GATED ? 2 : 1);
+    constexpr bool ALU = alu_dequant<NSUB, RGPB>();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u32* lut4 = reinterpret_cast<u32*>(smem_raw);
     u32* lut8 = lut4 + 256;
@@ -133,7 +134,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     int per = (p.kg + KSPLIT - 1) / KSPLIT;
     int k_lo = min(ks * per, p.kg), k_hi = min(k_lo + per, p.kg);
 
-    if (!alu_dequant<NSUB>()) fill_dequant_tables(lut4, lut8);
+    if (!ALU) fill_dequant_tables(lut4, lut8);
 
     const int kp = p.kg * 64;
     const int stride = kp + 8;
@@ -190,10 +191,10 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 load(k_lo, da, sa, dua, sua);
                 if (k_lo + 1 < k_hi) load(k_lo + 1, db, sb, dub, sub);
                 for (int kgi = k_lo; kgi < k_hi; kgi += 2) {
-                    nvfp4_kgroup<NSUB, GATED>(da, sa, dua, sua, kgi, acc, accu, lut4, lut8, brow_s, sub_bytes, nsub_valid);
+                    nvfp4_kgroup<NSUB, GATED, ALU>(da, sa, dua, sua, kgi, acc, accu, lut4, lut8, brow_s, sub_bytes, nsub_valid);
                     if (kgi + 2 < k_hi) load(kgi + 2, da, sa, dua, sua);
                     if (kgi + 1 < k_hi) {
-                        nvfp4_kgroup<NSUB, GATED>(db, sb, dub, sub, kgi + 1, acc, accu, lut4, lut8, brow_s, sub_bytes,
+                        nvfp4_kgroup<NSUB, GATED, ALU>(db, sb, dub, sub, kgi + 1, acc, accu, lut4, lut8, brow_s, sub_bytes,
                                                   nsub_valid);
                         if (kgi + 3 < k_hi) load(kgi + 3, db, sb, dub, sub);
                     }
@@ -241,7 +242,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 }
         }
 
-        const float unscale = KIND == 0 && alu_dequant<NSUB>() ? NVFP4_DEQ_UNSCALE : 1.0f;
+        const float unscale = KIND == 0 && ALU ? NVFP4_DEQ_UNSCALE : 1.0f;
         if (STAGE == 1)
             store_gemm1<NSUB, GATED>(p, acc, accu, e, base, n_e, t0, rg, nsub_valid, unscale);
         else

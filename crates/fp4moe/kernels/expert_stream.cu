@@ -14,7 +14,7 @@
 // weight copies before it waits for GEMM1. Measured: GEMM1 about as fast as the mma kernel,
 // GEMM2 4 µs faster at one token (the prefetch), both slower from 4–8 tokens, where a block
 // that loads everything before computing overlaps worse than per-warp prefetch: the host
-// streams up to 2 tokens (cuda::STREAM_MAX_TOKENS).
+// streams one token (cuda::STREAM_MAX_TOKENS; up to 2 before run 128).
 //
 // Work split: grid.y = active expert slot, grid.x = RB row groups (units) of that expert.
 // 8 warps; warp w owns unit w % RB and k groups [ks·kg/KSPLIT, (ks+1)·kg/KSPLIT), ks = w / RB,

@@ -162,14 +162,15 @@ __device__ __forceinline__ void dequant_fragment_alu(u32 word, __nv_bfloat162 s0
 // The same from `sp` = scale_pairs of the block: each multiply takes its row's half of `sp`
 // broadcast, which the bf16 multiply encodes as an operand swizzle (HMUL2 ... .H0_H0 /
 // .H1_H1), so the scales cost two operations per fragment where a pair per row took four.
-// The prefill tiles use it; the decode kernels keep a pair per row (run 81: with this one the
-// non-gated mma decode GEMMs at 8 tokens were 8 % slower, not analysed).
+// The prefill tiles and the mma decode GEMMs use it (run 127: 2.5-3.5 % faster than a pair per
+// row at Nemotron 4-48 tokens; run 81 had measured it 8 % slower, before the decode GEMMs
+// stopped rebuilding their shared window base); the streaming kernels keep a pair per row.
 __device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 sp, u32 a[4]) {
     const __nv_bfloat162 s = bits_bf16x2(sp);
     dequant_fragment_alu(word, __low2bfloat162(s), __high2bfloat162(s), a);
 }
 
-// The same with one scale pair per row (scale_pair_row): the decode kernels' form.
+// The same with one scale pair per row (scale_pair_row): the streaming kernels' form.
 __device__ __forceinline__ void dequant_fragment_alu_rows(u32 word, uint2 s, int j, u32 a[4]) {
     dequant_fragment_alu(word, bits_bf16x2(scale_pair_row(s, j, 0)), bits_bf16x2(scale_pair_row(s, j, 1)), a);
 }

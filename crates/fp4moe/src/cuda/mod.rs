@@ -592,9 +592,9 @@ impl GemmShape {
             GemmShape::Wide => "wide",
         }
     }
-    /// Narrow up to 2 tokens (where the streaming kernels run by default), wide from 3 (run
-    /// 66: Nemotron at 4 tokens 89.8 against 104.3 µs; the crossover was 8 with run 24's
-    /// kernels); `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for benchmarks).
+    /// Narrow up to 2 tokens, wide from 3 (run 66: Nemotron at 4 tokens 89.8 against 104.3 µs;
+    /// the crossover was 8 with run 24's kernels; the narrow shape at 2 tokens is what run 128
+    /// measured against the streaming kernels); `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for benchmarks).
     fn for_tokens(tokens: usize) -> Self {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let choices = [("narrow", GemmShape::Narrow), ("wide", GemmShape::Wide)];
@@ -890,21 +890,24 @@ pub enum GemmPath {
     Prefill,
 }
 
-/// Mean tokens per expert from which the prefill kernels take over (run 15's crossover; the
-/// rule for a dense expert, the shared one, layers with few experts, and since run 125 the only
-/// rule for non-gated layers).
+/// Mean tokens per expert from which the prefill kernels take over gated layers (run 15's
+/// crossover; also the rule for a dense gated expert, the shared one, and gated layers with few
+/// experts).
 pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
 
 /// Mean tokens per expert, in quarters, from which gated layers take the prefill kernels once a
 /// batch has [`PREFILL_SPARSE_MIN_PAIRS_GATED`] routed pairs (1: from 0.25 tokens per expert);
-/// 256 experts are not measured. Non-gated layers keep the decode kernels below
-/// [`PREFILL_MIN_TOKENS_PER_EXPERT`]: measured (docs/KERNEL_NOTES.md runs 123–125, µs, forced
-/// decode / forced prefill, Nemotron-3 Nano, E 128, top-6) 4 tokens 74.3 / 85.1, 8 108.4 /
-/// 124.4, 16 156.5 / 169.2, 32 196.2 / 213.7, 48 226.7 / 236.4, 64 (3 per expert) 252.4 /
-/// 255.5, 96 453 / 278: since the decode GEMMs' fragment loads stopped rebuilding the shared
-/// window base (29 % of the one-subtile loop's instructions) they win up to 3 per expert.
-/// The gated decode GEMMs gained little (their loop had no such rebuild).
+/// 256 experts are not measured.
 pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 1;
+
+/// Mean tokens per expert, in quarters, from which non-gated layers (and a non-gated dense or
+/// shared expert) take the prefill kernels: the only rule for them. Measured (docs/KERNEL_NOTES.md
+/// runs 127–129, µs, forced decode / forced prefill, Nemotron-3 Nano, E 128, top-6) 4 tokens
+/// 72.0 / 85.1, 8 104.7 / 124.4, 48 220.6 / 236.4, 64 (3 per expert) 246.5 / 256.1, 96 (4.5)
+/// 281.5 / 279.0, 128 306.2 / 288.2: the one-subtile decode GEMMs win up to 3 tokens per expert
+/// and the two-subtile ones (dequantizing in registers since run 128) stay within 1–6 % of the
+/// 32-token tiles up to 128 tokens.
+pub const PREFILL_NONGATED_FROM_QUARTERS: usize = 13;
 
 /// Routed pairs from which gated layers take the prefill kernels below 3 tokens per expert.
 /// Measured (run 123, µs, forced decode / forced prefill): Qwen3-30B-A3B (E 128, top-8) 4
@@ -1307,8 +1310,9 @@ impl GemmPath {
     }
 
     /// The path for `pairs` routed pairs over `experts` experts (`gated`: SwiGLU-style experts,
-    /// whose decode GEMMs run two weight rows per output): `forced` when given, else prefill
-    /// from [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert, or, gated, from
+    /// whose decode GEMMs run two weight rows per output): `forced` when given, else, non-gated,
+    /// prefill from [`PREFILL_NONGATED_FROM_QUARTERS`] quarter tokens per expert; gated, from
+    /// [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert, or from
     /// [`PREFILL_FROM_QUARTERS_PER_EXPERT`] quarter tokens per expert once there are
     /// [`PREFILL_SPARSE_MIN_PAIRS_GATED`] pairs; decode whenever the device lacks even the
     /// small prefill tiles' shared memory.
@@ -1324,9 +1328,15 @@ impl GemmPath {
         }
         match forced {
             Some(path) => path,
+            None if !gated => {
+                if 4 * pairs >= PREFILL_NONGATED_FROM_QUARTERS * experts.max(1) {
+                    GemmPath::Prefill
+                } else {
+                    GemmPath::Decode
+                }
+            }
             None if pairs / experts.max(1) >= PREFILL_MIN_TOKENS_PER_EXPERT => GemmPath::Prefill,
-            None if gated
-                && pairs >= PREFILL_SPARSE_MIN_PAIRS_GATED
+            None if pairs >= PREFILL_SPARSE_MIN_PAIRS_GATED
                 && 4 * pairs >= PREFILL_FROM_QUARTERS_PER_EXPERT * experts =>
             {
                 GemmPath::Prefill
@@ -1354,11 +1364,14 @@ const STREAM_THREADS: usize = 256;
 const STREAM_TILE: usize = 8;
 
 /// Largest batch whose NVFP4 decode GEMMs stream by default. Measured on the H200 (graph
-/// replays, KERNEL_NOTES run 28, µs per layer, stream / mma): Nemotron 46.7 / 51.9 at 1 token,
-/// 78.1 / 81.6 at 2, 122.8 / 124.9 at 4, 207.6 / 165.6 at 8; Qwen3 39.6 / 43.7, 59.3 / 63.0,
-/// 104.7 / 101.4, 163.2 / 123.1. A streaming block loads all its weights before it computes;
-/// with more experts per SM the mma kernels' per-warp prefetch overlaps better.
-pub const STREAM_MAX_TOKENS: usize = 2;
+/// replays, µs per layer, stream / mma): run 28 Nemotron 46.7 / 51.9 at 1 token, 78.1 / 81.6 at
+/// 2, 122.8 / 124.9 at 4, 207.6 / 165.6 at 8; Qwen3 39.6 / 43.7, 59.3 / 63.0, 104.7 / 101.4,
+/// 163.2 / 123.1. Run 128, after the mma GEMMs' one-subtile loop lost a third of its
+/// instructions (runs 122, 127): Nemotron 2 tokens 62.0 / 60.0, Qwen3 1 token 31.7 / 33.5, 2
+/// tokens 52.8 / 52.0. A streaming block loads all its weights before it computes; with more
+/// experts per SM the mma kernels' per-warp prefetch overlaps better. At one token a non-gated
+/// layer runs `one_token.cu` (which takes this choice as its condition).
+pub const STREAM_MAX_TOKENS: usize = 1;
 
 impl DecodeKernel {
     /// The default for a batch of `tokens`: [`DecodeKernel::Stream`] up to
@@ -2999,11 +3012,14 @@ mod tests {
         assert_eq!(choose(5 * 8, 128, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(47, 128, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(6 * 8, 128, true, h200, None), GemmPath::Prefill);
-        // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 3 tokens per expert (63
-        // tokens = 378 pairs), prefill from 64 tokens (384 pairs).
+        // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 3.25 tokens per expert (69
+        // tokens = 414 pairs), prefill from 416 pairs (70 tokens).
         assert_eq!(choose(8 * 6, 128, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(63 * 6, 128, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(64 * 6, 128, false, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(64 * 6, 128, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(69 * 6, 128, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(415, 128, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(416, 128, false, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(70 * 6, 128, false, h200, None), GemmPath::Prefill);
         // The same 378 pairs gated take prefill (from 48).
         assert_eq!(choose(63 * 6, 128, true, h200, None), GemmPath::Prefill);
         // 256 experts (top-8, gated): 0.25 per expert is 64 pairs, 8 tokens.
@@ -3011,7 +3027,8 @@ mod tests {
         assert_eq!(choose(64, 256, true, h200, None), GemmPath::Prefill);
         // Non-gated layers ignore the quarter-per-expert rule at any expert count.
         assert_eq!(choose(64, 256, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(3 * 256, 256, false, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(3 * 256, 256, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(13 * 64, 256, false, h200, None), GemmPath::Prefill);
         // Few experts: 3 tokens per expert below the sparse thresholds (8 experts, top-8: one
         // token, 8 pairs, stays on the decode kernels; 24 pairs = 3 per expert take prefill).
         assert_eq!(choose(8, 8, true, h200, None), GemmPath::Decode);
@@ -3019,7 +3036,8 @@ mod tests {
         assert_eq!(choose(24, 8, true, h200, None), GemmPath::Prefill);
         // A shared expert is one expert holding every token.
         assert_eq!(choose(2, 1, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(3, 1, false, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(3, 1, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(4, 1, false, h200, None), GemmPath::Prefill);
         // Forced either way.
         let forced = Some(GemmPath::Prefill);
         assert_eq!(choose(1, 128, false, h200, forced), GemmPath::Prefill);
