@@ -78,10 +78,10 @@ __device__ __forceinline__ void stream_slice_mma(const u8* wd0, const u8* ws0, i
                 b1 = *reinterpret_cast<const u32*>(brow + kc + 8);
             }
             u32 a[4];
-            dequant_fragment_alu_rows(dw[j], s, j, a);
+            dequant_fragment_alu(dw[j], scale_pairs(s, j), a);
             mma_bf16_16816(acc, a, b0, b1);
             if (GATED) {
-                dequant_fragment_alu_rows(duw[j], su, j, a);
+                dequant_fragment_alu(duw[j], scale_pairs(su, j), a);
                 mma_bf16_16816(accu, a, b0, b1);
             }
         }
