@@ -142,12 +142,6 @@ __device__ __forceinline__ u32 scale_pairs(uint2 s, int j) {
     return __byte_perm(j < 2 ? s.x : s.y, 0, 0x4040u | lo | ((lo + 1) << 8)) * 0x10u + SCALE_PAIR_BIAS;
 }
 
-// (S'_r, S'_r) for one row r (0: g, 1: g + 8) of k block j: the pair per row of the decode
-// kernels (below).
-__device__ __forceinline__ u32 scale_pair_row(uint2 s, int j, int r) {
-    return __byte_perm(j < 2 ? s.x : s.y, 0, 0x4440u + 2u * (u32)(j & 1) + (u32)r) * 0x00100010u + SCALE_PAIR_BIAS;
-}
-
 // One mma A fragment (16 rows x 16 k) times 2^-8: `word` is the lane's packed word for its k
 // block (see cuda/pack.rs), s0 / s1 = the scales of rows g / g + 8 (registers 0 and 2 hold
 // row g, 1 and 3 row g + 8) in both halves.
@@ -162,17 +156,13 @@ __device__ __forceinline__ void dequant_fragment_alu(u32 word, __nv_bfloat162 s0
 // The same from `sp` = scale_pairs of the block: each multiply takes its row's half of `sp`
 // broadcast, which the bf16 multiply encodes as an operand swizzle (HMUL2 ... .H0_H0 /
 // .H1_H1), so the scales cost two operations per fragment where a pair per row took four.
-// The prefill tiles and the mma decode GEMMs use it (run 127: 2.5-3.5 % faster than a pair per
-// row at Nemotron 4-48 tokens; run 81 had measured it 8 % slower, before the decode GEMMs
-// stopped rebuilding their shared window base); the streaming kernels keep a pair per row.
+// Every table-free kernel uses it. The decode kernels took a pair per row until run 127 (this
+// form 2.5-3.5 % faster at Nemotron 4-48 tokens; run 81 had measured it 8 % slower, before the
+// decode GEMMs stopped rebuilding their shared window base) and run 129 (the streaming kernels
+// and one_token: Nemotron one token -2.5 %, Qwen3 +0.6 %).
 __device__ __forceinline__ void dequant_fragment_alu(u32 word, u32 sp, u32 a[4]) {
     const __nv_bfloat162 s = bits_bf16x2(sp);
     dequant_fragment_alu(word, __low2bfloat162(s), __high2bfloat162(s), a);
-}
-
-// The same with one scale pair per row (scale_pair_row): the streaming kernels' form.
-__device__ __forceinline__ void dequant_fragment_alu_rows(u32 word, uint2 s, int j, u32 a[4]) {
-    dequant_fragment_alu(word, bits_bf16x2(scale_pair_row(s, j, 0)), bits_bf16x2(scale_pair_row(s, j, 1)), a);
 }
 
 // GEMM1 epilogue of one warp: row group rg of expert e (gated: acc = gate, accu = up rows), the

@@ -902,18 +902,19 @@ pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 1;
 
 /// Mean tokens per expert, in quarters, from which non-gated layers (and a non-gated dense or
 /// shared expert) take the prefill kernels: the only rule for them. Measured (docs/KERNEL_NOTES.md
-/// runs 127–129, µs, forced decode / forced prefill, Nemotron-3 Nano, E 128, top-6) 4 tokens
-/// 72.0 / 85.1, 8 104.7 / 124.4, 48 220.6 / 236.4, 64 (3 per expert) 246.5 / 256.1, 96 (4.5)
-/// 281.5 / 279.0, 128 306.2 / 288.2: the one-subtile decode GEMMs win up to 3 tokens per expert
-/// and the two-subtile ones (dequantizing in registers since run 128) stay within 1–6 % of the
-/// 32-token tiles up to 128 tokens.
-pub const PREFILL_NONGATED_FROM_QUARTERS: usize = 13;
+/// runs 127–129, µs, forced decode / forced prefill, Nemotron-3 Nano, E 128, top-6): 64 tokens (3
+/// per expert) 246.8 / 255.7, 72 (3.375) 265.4 / 272.9, 80 (3.75) 275.4 / 275.4, 96 (4.5, two
+/// subtiles) 282.2 / 279.0, 128 306.2 / 288.2; below 64 decode wins by 4–15 % (runs 123–127).
+pub const PREFILL_NONGATED_FROM_QUARTERS: usize = 15;
 
 /// Routed pairs from which gated layers take the prefill kernels below 3 tokens per expert.
-/// Measured (run 123, µs, forced decode / forced prefill): Qwen3-30B-A3B (E 128, top-8) 4
-/// tokens (32 pairs) 66.5 / 67.8, 5 (40) 70.3 / 74.5, 6 (48) 73.7 / 72.4, 8 91.9 / 90.8, 12
-/// 116.5 / 114.3, 16 122.7 / 118.6. Was 32 for both kinds (run 96).
-pub const PREFILL_SPARSE_MIN_PAIRS_GATED: usize = 48;
+/// Measured (µs, forced decode / forced prefill, Qwen3-30B-A3B, E 128, top-8), run 129 (decode
+/// GEMMs with the swizzled scale pair): 4 tokens (32 pairs) 63.5 / 68.1, 5 (40) 67.2 / 74.6, 6
+/// (48) 70.8 / 72.7, 8 (64) 87.2 / 91.0; run 123 (before it, decode ~4–5 % slower): 12 (96)
+/// 116.5 / 114.3, 16 (128) 122.7 / 118.6. 96 sits between the last size measured where decode
+/// wins and the first where prefill did before the change. Was 48 (run 123), 32 for both kinds
+/// (run 96).
+pub const PREFILL_SPARSE_MIN_PAIRS_GATED: usize = 96;
 
 /// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
 /// tiles are faster at 24, slower at 48; run 15).
@@ -3008,27 +3009,29 @@ mod tests {
         let choose = |pairs, experts, gated, smem, forced| {
             GemmPath::choose(pairs, experts, gated, smem, forced)
         };
-        // Qwen3 (E 128, top-8, gated): 5 tokens = 40 pairs stay on decode, 6 = 48 take prefill.
-        assert_eq!(choose(5 * 8, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(47, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(6 * 8, 128, true, h200, None), GemmPath::Prefill);
-        // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 3.25 tokens per expert (69
-        // tokens = 414 pairs), prefill from 416 pairs (70 tokens).
+        // Qwen3 (E 128, top-8, gated): 11 tokens = 88 pairs stay on decode, 12 = 96 take prefill.
+        assert_eq!(choose(8 * 8, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(95, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(12 * 8, 128, true, h200, None), GemmPath::Prefill);
+        // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 3.75 tokens per expert (79
+        // tokens = 474 pairs), prefill from 480 pairs (80 tokens).
         assert_eq!(choose(8 * 6, 128, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(64 * 6, 128, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(69 * 6, 128, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(415, 128, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(416, 128, false, h200, None), GemmPath::Prefill);
-        assert_eq!(choose(70 * 6, 128, false, h200, None), GemmPath::Prefill);
-        // The same 378 pairs gated take prefill (from 48).
-        assert_eq!(choose(63 * 6, 128, true, h200, None), GemmPath::Prefill);
-        // 256 experts (top-8, gated): 0.25 per expert is 64 pairs, 8 tokens.
-        assert_eq!(choose(63, 256, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(64, 256, true, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(479, 128, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(80 * 6, 128, false, h200, None), GemmPath::Prefill);
+        // The same 474 pairs gated take prefill (from 96).
+        assert_eq!(choose(79 * 6, 128, true, h200, None), GemmPath::Prefill);
+        // 256 experts (top-8, gated): 96 pairs are 0.375 per expert, 12 tokens; 0.25 per expert
+        // alone (64 pairs) is not enough.
+        assert_eq!(choose(64, 256, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(96, 256, true, h200, None), GemmPath::Prefill);
+        // 1024 experts (gated): 96 pairs are below 0.25 per expert (256 pairs).
+        assert_eq!(choose(255, 1024, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(256, 1024, true, h200, None), GemmPath::Prefill);
         // Non-gated layers ignore the quarter-per-expert rule at any expert count.
-        assert_eq!(choose(64, 256, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(96, 256, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(3 * 256, 256, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(13 * 64, 256, false, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(15 * 64, 256, false, h200, None), GemmPath::Prefill);
         // Few experts: 3 tokens per expert below the sparse thresholds (8 experts, top-8: one
         // token, 8 pairs, stays on the decode kernels; 24 pairs = 3 per expert take prefill).
         assert_eq!(choose(8, 8, true, h200, None), GemmPath::Decode);
@@ -3038,6 +3041,7 @@ mod tests {
         assert_eq!(choose(2, 1, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(3, 1, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(4, 1, false, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(3, 1, true, h200, None), GemmPath::Prefill);
         // Forced either way.
         let forced = Some(GemmPath::Prefill);
         assert_eq!(choose(1, 128, false, h200, forced), GemmPath::Prefill);

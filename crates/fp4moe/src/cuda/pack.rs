@@ -244,8 +244,7 @@ mod tests {
     }
 
     /// Every valid E4M3 scale: the device's decodes give T = S · 2^118 exactly as bf16 (the pair
-    /// of both rows, `scale_pairs`; one row duplicated, `scale_pair_row`; the decode kernels'
-    /// table index, `decode_fragment`), and S (`lut8`), and the code maps back to the byte.
+    /// of both rows, `scale_pairs`; the table-based decode kernels' index, `decode_fragment`), and S (`lut8`), and the code maps back to the byte.
     #[test]
     fn scale_codes_decode_exactly_with_one_multiply_add() {
         for b in 0u8..=0x7E {
@@ -279,9 +278,7 @@ mod tests {
                         want,
                         "bytes {b:#x} {b8:#x}, block {j}"
                     );
-                    let t_of = |c: u8| u32::from(c) * 16 + 0x7580;
                     for (r, c) in [(0, c), (1, c8)] {
-                        assert_eq!(device_scale_pair_row(codes, j, r), t_of(c) * 0x0001_0001);
                         assert_eq!(device_table_index(codes, j, r), c, "block {j} row {r}");
                     }
                 }
@@ -312,15 +309,6 @@ mod tests {
         let lo = 2 * (j as u32 & 1);
         byte_perm(scale_word(codes, j), 0, 0x4040 | lo | (lo + 1) << 8)
             .wrapping_mul(0x10)
-            .wrapping_add(0x7580_7580)
-    }
-
-    /// The device's `scale_pair_row` (kernels/gemm_common.cuh): row r's code of block j in
-    /// both halves.
-    fn device_scale_pair_row(codes: [u8; 8], j: usize, r: usize) -> u32 {
-        let sel = 0x4440 + 2 * (j as u32 & 1) + r as u32;
-        byte_perm(scale_word(codes, j), 0, sel)
-            .wrapping_mul(0x0010_0010)
             .wrapping_add(0x7580_7580)
     }
 
