@@ -758,9 +758,10 @@ fn one_token_layer_matches_the_split_path_bitwise() {
 }
 
 /// The mma decode GEMMs give a token the same bits whether its batch takes one token subtile per
-/// pass (table-free dequantization, `_n1`), two or four (shared-memory tables, `_n2`/`_n4`):
-/// 16, 48 and 100 tokens over 16 experts, top-4 (4, 12 and 25 per expert), all with the wide
-/// block shape (same K split), the first 16 tokens compared.
+/// pass (`_n1`), two (`_n2`; both dequantize in registers) or four (`_n4`, shared-memory
+/// tables): 16, 48 and 100 tokens over 16 experts, top-4 (4, 12 and 25 per expert), the first 16
+/// tokens compared; and batches of 1 and 2 tokens, which ran the narrow block shape (another K
+/// split) until run 131, give their tokens the bits of the 16-token batch.
 #[test]
 fn decode_token_subtiles_agree_bitwise() {
     if !common::gpu_available() {
@@ -780,6 +781,13 @@ fn decode_token_subtiles_agree_bitwise() {
         layer.set_decode_kernel(Some(DecodeKernel::Mma));
         let first = 16 * 1024;
         let (one, _) = run_device(&layer, &x[..first], &logits[..16 * 16]);
+        for tokens in [1, 2] {
+            let (out, _) = run_device(&layer, &x[..tokens * 1024], &logits[..tokens * 16]);
+            assert!(
+                same_bits(&out, &one[..tokens * 1024]),
+                "{act} {quant}: a batch of {tokens} differs from the first {tokens} of 16 tokens"
+            );
+        }
         for tokens in [48, 100] {
             let (out, _) = run_device(&layer, &x[..tokens * 1024], &logits[..tokens * 16]);
             assert!(
@@ -787,7 +795,7 @@ fn decode_token_subtiles_agree_bitwise() {
                 "{act} {quant}: the first 16 tokens differ between batches of 16 and {tokens}"
             );
         }
-        println!("decode subtiles {act} {quant}: 16 / 48 / 100 tokens bitwise equal");
+        println!("decode subtiles {act} {quant}: 1 / 2 / 16 / 48 / 100 tokens bitwise equal");
     }
 }
 

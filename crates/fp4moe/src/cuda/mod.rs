@@ -562,7 +562,8 @@ fn check_limits(spec: &MoeSpec) -> Result<()> {
 /// Block shapes of the decode GEMMs: row groups per block (the rest of the 16 warps split K).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GemmShape {
-    /// 2 row groups x 8 K slices: many blocks, for few tokens.
+    /// 2 row groups x 8 K slices: many blocks (the default up to 2 tokens until run 131; now
+    /// only by `FP4MOE_GEMM_SHAPE=narrow`).
     Narrow,
     /// 8 row groups x 2 K slices: one activation staging per 128 weight rows.
     Wide,
@@ -592,17 +593,16 @@ impl GemmShape {
             GemmShape::Wide => "wide",
         }
     }
-    /// Narrow up to 2 tokens, wide from 3 (run 66: Nemotron at 4 tokens 89.8 against 104.3 µs;
-    /// the crossover was 8 with run 24's kernels; the narrow shape at 2 tokens is what run 128
-    /// measured against the streaming kernels); `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for benchmarks).
-    fn for_tokens(tokens: usize) -> Self {
+    /// Wide at every batch size (since run 131; narrow up to 2 tokens before). Measured on the
+    /// H200, NVFP4 weights, µs per layer, narrow / wide: run 131, 2 tokens, Nemotron-3 Nano
+    /// 60.4 / 50.3, Qwen3-30B-A3B 52.4 / 41.5; one token with the mma kernels forced (runs 128,
+    /// 132) Nemotron 37.9 / 35.0. Run 66 had wide ahead from 3 tokens (4 tokens 89.8 against
+    /// 104.3). bf16 weights are not measured at 1–2 tokens. `FP4MOE_GEMM_SHAPE=narrow|wide`
+    /// overrides it (a tuning knob for benchmarks).
+    fn chosen() -> Self {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let choices = [("narrow", GemmShape::Narrow), ("wide", GemmShape::Wide)];
-        match tuning_choice(&KNOB, "FP4MOE_GEMM_SHAPE", &choices) {
-            Some(shape) => shape,
-            None if tokens >= 3 => GemmShape::Wide,
-            None => GemmShape::Narrow,
-        }
+        tuning_choice(&KNOB, "FP4MOE_GEMM_SHAPE", &choices).unwrap_or(GemmShape::Wide)
     }
 }
 
@@ -908,13 +908,13 @@ pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 1;
 pub const PREFILL_NONGATED_FROM_QUARTERS: usize = 15;
 
 /// Routed pairs from which gated layers take the prefill kernels below 3 tokens per expert.
-/// Measured (µs, forced decode / forced prefill, Qwen3-30B-A3B, E 128, top-8), run 129 (decode
-/// GEMMs with the swizzled scale pair): 4 tokens (32 pairs) 63.5 / 68.1, 5 (40) 67.2 / 74.6, 6
-/// (48) 70.8 / 72.7, 8 (64) 87.2 / 91.0; run 123 (before it, decode ~4–5 % slower): 12 (96)
-/// 116.5 / 114.3, 16 (128) 122.7 / 118.6. 96 sits between the last size measured where decode
-/// wins and the first where prefill did before the change. Was 48 (run 123), 32 for both kinds
-/// (run 96).
-pub const PREFILL_SPARSE_MIN_PAIRS_GATED: usize = 96;
+/// Measured (µs, forced decode / forced prefill, Qwen3-30B-A3B, E 128, top-8; runs 129 and 131,
+/// decode GEMMs with the swizzled scale pair): 4 tokens (32 pairs) 63.5 / 68.1, 5 (40) 67.2 /
+/// 74.6, 6 (48) 70.8 / 72.7, 8 (64) 87.2 / 91.0, 10 (80) 93.5 / 97.2, 12 (96) 110.9 / 114.4,
+/// 16 (128) 116.7 / 118.4. Decode's lead shrinks from 3.1 % at 96 pairs to 1.4 % at 128; 152
+/// (19 tokens) is where it reaches zero on that line, not measured. Was 48 (run 123), 32 for
+/// both kinds (run 96).
+pub const PREFILL_SPARSE_MIN_PAIRS_GATED: usize = 152;
 
 /// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
 /// tiles are faster at 24, slower at 48; run 15).
@@ -1369,7 +1369,9 @@ const STREAM_TILE: usize = 8;
 /// 2, 122.8 / 124.9 at 4, 207.6 / 165.6 at 8; Qwen3 39.6 / 43.7, 59.3 / 63.0, 104.7 / 101.4,
 /// 163.2 / 123.1. Run 128, after the mma GEMMs' one-subtile loop lost a third of its
 /// instructions (runs 122, 127): Nemotron 2 tokens 62.0 / 60.0, Qwen3 1 token 31.7 / 33.5, 2
-/// tokens 52.8 / 52.0. A streaming block loads all its weights before it computes; with more
+/// tokens 52.8 / 52.0; with the mma kernels' wide block shape (runs 131–132): 2 tokens
+/// Nemotron 50.3, Qwen3 41.5; 1 token stream (Nemotron: `one_token`) / wide mma 34.4 / 35.0 and
+/// 31.3 / 35.1. A streaming block loads all its weights before it computes; with more
 /// experts per SM the mma kernels' per-warp prefetch overlaps better. At one token a non-gated
 /// layer runs `one_token.cu` (which takes this choice as its condition).
 pub const STREAM_MAX_TOKENS: usize = 1;
@@ -2128,7 +2130,7 @@ impl CudaLayer {
             };
             return self.launch_gemm(&format!("{stream}_r{}", sh.rb), cfg, params);
         }
-        let shape = GemmShape::for_tokens(tokens);
+        let shape = GemmShape::chosen();
         let nsub = self.nsub(tokens, proj.k, gated, shape);
         let kname = format!("{name}_{}_n{nsub}", shape.name());
         let smem = gemm_smem(nsub, proj.k, gated, shape) as u32;
@@ -3009,27 +3011,29 @@ mod tests {
         let choose = |pairs, experts, gated, smem, forced| {
             GemmPath::choose(pairs, experts, gated, smem, forced)
         };
-        // Qwen3 (E 128, top-8, gated): 11 tokens = 88 pairs stay on decode, 12 = 96 take prefill.
-        assert_eq!(choose(8 * 8, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(95, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(12 * 8, 128, true, h200, None), GemmPath::Prefill);
+        // Qwen3 (E 128, top-8, gated): 18 tokens = 144 pairs stay on decode, 19 = 152 take
+        // prefill.
+        assert_eq!(choose(16 * 8, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(151, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(19 * 8, 128, true, h200, None), GemmPath::Prefill);
         // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 3.75 tokens per expert (79
         // tokens = 474 pairs), prefill from 480 pairs (80 tokens).
         assert_eq!(choose(8 * 6, 128, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(64 * 6, 128, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(479, 128, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(80 * 6, 128, false, h200, None), GemmPath::Prefill);
-        // The same 474 pairs gated take prefill (from 96).
+        // The same 474 pairs gated take prefill (from 152).
         assert_eq!(choose(79 * 6, 128, true, h200, None), GemmPath::Prefill);
-        // 256 experts (top-8, gated): 96 pairs are 0.375 per expert, 12 tokens; 0.25 per expert
+        // 256 experts (top-8, gated): 152 pairs are 0.59 per expert, 19 tokens; 0.25 per expert
         // alone (64 pairs) is not enough.
         assert_eq!(choose(64, 256, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(96, 256, true, h200, None), GemmPath::Prefill);
-        // 1024 experts (gated): 96 pairs are below 0.25 per expert (256 pairs).
+        assert_eq!(choose(151, 256, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(152, 256, true, h200, None), GemmPath::Prefill);
+        // 1024 experts (gated): 152 pairs are below 0.25 per expert (256 pairs).
         assert_eq!(choose(255, 1024, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(256, 1024, true, h200, None), GemmPath::Prefill);
         // Non-gated layers ignore the quarter-per-expert rule at any expert count.
-        assert_eq!(choose(96, 256, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(152, 256, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(3 * 256, 256, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(15 * 64, 256, false, h200, None), GemmPath::Prefill);
         // Few experts: 3 tokens per expert below the sparse thresholds (8 experts, top-8: one
