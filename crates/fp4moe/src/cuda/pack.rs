@@ -244,7 +244,8 @@ mod tests {
     }
 
     /// Every valid E4M3 scale: the device's decodes give T = S · 2^118 exactly as bf16 (the pair
-    /// of both rows, `scale_pairs`; the table-based decode kernels' index, `decode_fragment`), and S (`lut8`), and the code maps back to the byte.
+    /// of both rows, `scale_pairs`; the table-based decode kernels' index, `decode_fragment`),
+    /// and S (`lut8`), and the code maps back to the byte.
     #[test]
     fn scale_codes_decode_exactly_with_one_multiply_add() {
         for b in 0u8..=0x7E {
