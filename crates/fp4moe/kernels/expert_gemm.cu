@@ -49,8 +49,8 @@ __device__ __forceinline__ void dequant_fragment(u32 word, u32 sg, u32 sg8, cons
 // Block shape: RGPB row groups x KSPLIT slices of K, one warp each (NWARPS = 16, or 8 for the
 // 32-token variants so their accumulators fit in registers); the KSPLIT partial accumulators
 // are summed in shared memory in a fixed order (deterministic). Two shapes: narrow (few row
-// groups, many K slices: many blocks, for few tokens) and wide (one activation staging serves
-// 64 or 128 weight rows, for larger batches).
+// groups, many K slices: many blocks; since run 131 only for one expert at 1-2 tokens) and
+// wide (one activation staging serves 64 or 128 weight rows; every other launch).
 
 // The B fragments of subtile s come from shared address `b_s` + s · sub_bytes (`b_s`: row g of
 // subtile 0 at the lane's k 2q of this 16-wide k block; b1 is 8 k further on). Subtile 0 always
@@ -71,8 +71,9 @@ __device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4],
 // and for two in the wide shape (RGPB > 2). The tables' shared-memory lookups kept the L1/shared
 // pipe 64 % busy at T = 1 (KERNEL_NOTES run 23) and cost the two-subtile loops 48 of their 80
 // LDS per iteration; without them the wide two-subtile GEMMs took 37-39 % less time (run 128,
-// Nemotron, 64-256 tokens). The narrow two-subtile GEMM2 spills without the tables (its shape
-// runs up to 2 tokens only), and the four-subtile kernels are not measured so.
+// Nemotron, 64-256 tokens). The narrow two-subtile GEMM2 spills without the tables (the narrow
+// shape runs one expert at 1-2 tokens, one subtile, unless forced), and the four-subtile kernels
+// are not measured so.
 template <int NSUB, int RGPB>
 __device__ constexpr bool alu_dequant() { return NSUB == 1 || (NSUB == 2 && RGPB > 2); }
 

@@ -858,7 +858,8 @@ fn stream_decode_matches_mma_and_is_batch_invariant() {
 
 /// A caller's top-k may list one expert several times for a token: that expert then holds more
 /// pairs than the batch has tokens, beyond the rows the streaming decode kernels size their
-/// shared memory for (min(T, 8)); they take it in several passes. Against the reference backend.
+/// shared memory for (min(T, 8)); they take it in several passes (one token; two tokens run the
+/// mma decode kernels since run 128). Against the reference backend.
 #[test]
 fn repeated_expert_ids_in_a_callers_top_k() {
     if !common::gpu_available() {

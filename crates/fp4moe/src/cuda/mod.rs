@@ -562,8 +562,8 @@ fn check_limits(spec: &MoeSpec) -> Result<()> {
 /// Block shapes of the decode GEMMs: row groups per block (the rest of the 16 warps split K).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GemmShape {
-    /// 2 row groups x 8 K slices: many blocks (the default up to 2 tokens until run 131; now
-    /// only by `FP4MOE_GEMM_SHAPE=narrow`).
+    /// 2 row groups x 8 K slices: four times the wide shape's blocks (the default up to 2
+    /// tokens until run 131; since then only for a launch of one expert up to 2 tokens).
     Narrow,
     /// 8 row groups x 2 K slices: one activation staging per 128 weight rows.
     Wide,
@@ -593,16 +593,23 @@ impl GemmShape {
             GemmShape::Wide => "wide",
         }
     }
-    /// Wide at every batch size (since run 131; narrow up to 2 tokens before). Measured on the
-    /// H200, NVFP4 weights, µs per layer, narrow / wide: run 131, 2 tokens, Nemotron-3 Nano
-    /// 60.4 / 50.3, Qwen3-30B-A3B 52.4 / 41.5; one token with the mma kernels forced (runs 128,
-    /// 132) Nemotron 37.9 / 35.0. Run 66 had wide ahead from 3 tokens (4 tokens 89.8 against
-    /// 104.3). bf16 weights are not measured at 1–2 tokens. `FP4MOE_GEMM_SHAPE=narrow|wide`
-    /// overrides it (a tuning knob for benchmarks).
-    fn chosen() -> Self {
+    /// The shape for `tokens` tokens over `slots` active experts: wide (since run 131), except
+    /// narrow for one expert up to 2 tokens (a shared or dense expert, or top-1 at one token),
+    /// where the wide grid would be a few blocks for the whole GPU (a shared expert of 3712
+    /// rows: 29) and which is not measured. Measured on the H200, NVFP4 weights, µs per layer,
+    /// narrow / wide: run 131, 2 tokens, Nemotron-3 Nano 60.4 / 50.3, Qwen3-30B-A3B 52.4 /
+    /// 41.5; one token with the mma kernels forced (runs 128, 132) Nemotron 37.9 / 35.0. Run 66
+    /// had wide ahead from 3 tokens (4 tokens 89.8 against 104.3). bf16 weights are not measured
+    /// at 1–2 tokens. `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for
+    /// benchmarks).
+    fn chosen(tokens: usize, slots: usize) -> Self {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let choices = [("narrow", GemmShape::Narrow), ("wide", GemmShape::Wide)];
-        tuning_choice(&KNOB, "FP4MOE_GEMM_SHAPE", &choices).unwrap_or(GemmShape::Wide)
+        match tuning_choice(&KNOB, "FP4MOE_GEMM_SHAPE", &choices) {
+            Some(shape) => shape,
+            None if slots <= 1 && tokens <= 2 => GemmShape::Narrow,
+            None => GemmShape::Wide,
+        }
     }
 }
 
@@ -2130,7 +2137,7 @@ impl CudaLayer {
             };
             return self.launch_gemm(&format!("{stream}_r{}", sh.rb), cfg, params);
         }
-        let shape = GemmShape::chosen();
+        let shape = GemmShape::chosen(tokens, slots);
         let nsub = self.nsub(tokens, proj.k, gated, shape);
         let kname = format!("{name}_{}_n{nsub}", shape.name());
         let smem = gemm_smem(nsub, proj.k, gated, shape) as u32;
@@ -3006,6 +3013,16 @@ mod tests {
     }
 
     #[test]
+    fn gemm_shape_is_wide_but_for_one_expert_at_one_or_two_tokens() {
+        assert_eq!(GemmShape::chosen(1, 6), GemmShape::Wide);
+        assert_eq!(GemmShape::chosen(2, 16), GemmShape::Wide);
+        assert_eq!(GemmShape::chosen(100, 1), GemmShape::Wide);
+        assert_eq!(GemmShape::chosen(1, 1), GemmShape::Narrow);
+        assert_eq!(GemmShape::chosen(2, 1), GemmShape::Narrow);
+        assert_eq!(GemmShape::chosen(3, 1), GemmShape::Wide);
+    }
+
+    #[test]
     fn gemm_path_follows_tokens_per_expert_and_shared_memory() {
         let h200 = 227 * 1024;
         let choose = |pairs, experts, gated, smem, forced| {
@@ -3013,7 +3030,7 @@ mod tests {
         };
         // Qwen3 (E 128, top-8, gated): 18 tokens = 144 pairs stay on decode, 19 = 152 take
         // prefill.
-        assert_eq!(choose(16 * 8, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(18 * 8, 128, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(151, 128, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(19 * 8, 128, true, h200, None), GemmPath::Prefill);
         // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 3.75 tokens per expert (79
