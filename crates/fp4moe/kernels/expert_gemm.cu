@@ -17,7 +17,8 @@
 
 // The narrow two-subtile and all four-subtile decode kernels dequantize through two shared-memory
 // tables (the others use gemm_common.cuh's table-free dequant_fragment_alu, see alu_dequant
-// below; the table-free form spills in the narrow two-subtile GEMM2): lut4[b] = bf16x2 of the two E2M1 codes of byte b (negative zero → +0),
+// below; the table-free form spills in the narrow two-subtile GEMM2): lut4[b] = bf16x2 of the
+// two E2M1 codes of byte b (negative zero → +0),
 // lut8[c] = bf16x2 (S, S) of scale code c (cuda/pack.rs: S's bf16 bits are c · 16 + 117 · 128).
 // Every product e2m1 · S has at most 6 significant bits, so the bf16 multiply is exact.
 __device__ __forceinline__ void fill_dequant_tables(u32* lut4, u32* lut8) {

@@ -42,13 +42,14 @@ struct GemmParams {
     int experts;     // experts `offsets` covers (offsets[0] .. offsets[experts]; prefill_gemm.cu's find_tile)
 };
 
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 // 16-byte global → shared copy through the async copy engine (cp.async; src_bytes 0: zero-fill).
 // `s`: a shared-memory address (smem_u32).
 __device__ __forceinline__ void cp_async16_s(u32 s, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-    cp_async16_s((u32)__cvta_generic_to_shared(smem), gmem, src_bytes);
+    cp_async16_s(smem_u32(smem), gmem, src_bytes);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -60,7 +61,6 @@ __device__ __forceinline__ void cp_async_wait() {
 // fence_proxy_async orders this thread's generic-proxy shared-memory accesses (cp.async writes
 // included) with later async-proxy ones (wgmma reads, bulk-copy writes).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 // 32-bit load from shared address `s`. `volatile` and the "memory" clobber keep it between the
 // __syncthreads that publish and retire the data (a non-volatile asm without memory operands
 // counts as pure and was hoisted out of a loop with barriers; the clobber is what the inline-PTX
