@@ -897,31 +897,28 @@ pub enum GemmPath {
     Prefill,
 }
 
-/// Mean tokens per expert from which the prefill kernels take over gated layers (run 15's
-/// crossover; also the rule for a dense gated expert, the shared one, and gated layers with few
-/// experts).
-pub const PREFILL_MIN_TOKENS_PER_EXPERT: usize = 3;
+/// Mean tokens per routed expert, in quarters, from which gated layers take the prefill
+/// kernels. Measured (docs/KERNEL_NOTES.md runs 133–135, µs, forced decode / forced prefill,
+/// Qwen3-30B-A3B, E 128, top-8, decode GEMMs with running pointers and cp.async staging): 18
+/// tokens (1.125 per expert) 119.0 / 121.2, 24 (1.5) 125.4 / 140.4, 32 (2) 141.3 / 152.6, 48
+/// (3) 148.0 / 159.8, 64 (4) 153.1 / 161.2, 80 (5) 169.4 / 168.0, 96 (6) 174.0 / 171.2, 128
+/// (8) 181.7 / 169.7: decode ahead by 5 % at 4 per expert, behind by 0.8 % at 5 → prefill
+/// from 4.75. Until session 30: prefill from 3 per expert, or from 152 pairs at 0.25 per
+/// expert (48 pairs until session 29, 32 for both kinds until run 96).
+pub const PREFILL_GATED_FROM_QUARTERS: usize = 19;
 
-/// Mean tokens per expert, in quarters, from which gated layers take the prefill kernels once a
-/// batch has [`PREFILL_SPARSE_MIN_PAIRS_GATED`] routed pairs (1: from 0.25 tokens per expert);
-/// 256 experts are not measured.
-pub const PREFILL_FROM_QUARTERS_PER_EXPERT: usize = 1;
+/// Mean tokens per routed expert, in quarters, from which non-gated layers take the prefill
+/// kernels. Measured (runs 134–135, µs, forced decode / forced prefill, Nemotron-3 Nano, E 128,
+/// top-6): 80 tokens (3.75 per expert) 252.5 / 273.9, 96 (4.5) 266.0 / 276.7, 112 (5.25) 284.9
+/// / 291.9, 128 (6) 287.9 / 286.1, 160 (7.5) 318.1 / 303.6: decode ahead by 2.4 % at 5.25,
+/// behind by 0.6 % at 6 → prefill from 5.75. Was 3.75 (session 29), 3 (run 125).
+pub const PREFILL_NONGATED_FROM_QUARTERS: usize = 23;
 
-/// Mean tokens per expert, in quarters, from which non-gated layers (and a non-gated dense or
-/// shared expert) take the prefill kernels: the only rule for them. Measured (docs/KERNEL_NOTES.md
-/// runs 127–129, µs, forced decode / forced prefill, Nemotron-3 Nano, E 128, top-6): 64 tokens (3
-/// per expert) 246.8 / 255.7, 72 (3.375) 265.4 / 272.9, 80 (3.75) 275.4 / 275.4, 96 (4.5, two
-/// subtiles) 282.2 / 279.0, 128 306.2 / 288.2; below 64 decode wins by 4–15 % (runs 123–127).
-pub const PREFILL_NONGATED_FROM_QUARTERS: usize = 15;
-
-/// Routed pairs from which gated layers take the prefill kernels below 3 tokens per expert.
-/// Measured (µs, forced decode / forced prefill, Qwen3-30B-A3B, E 128, top-8; runs 129 and 131,
-/// decode GEMMs with the swizzled scale pair): 4 tokens (32 pairs) 63.5 / 68.1, 5 (40) 67.2 /
-/// 74.6, 6 (48) 70.8 / 72.7, 8 (64) 87.2 / 91.0, 10 (80) 93.5 / 97.2, 12 (96) 110.9 / 114.4,
-/// 16 (128) 116.7 / 118.4. Decode's lead shrinks from 3.1 % at 96 pairs to 1.4 % at 128; 152
-/// (19 tokens) is where it reaches zero on that line, not measured. Was 48 (run 123), 32 for
-/// both kinds (run 96).
-pub const PREFILL_SPARSE_MIN_PAIRS_GATED: usize = 152;
+/// Tokens, in quarters, from which one expert holding every token (a dense layer, the shared
+/// expert) takes the prefill kernels: gated, non-gated. Not re-measured since the decode
+/// kernels' sessions 28–30 (the routed layers' rule until run 125, 3 tokens; and 3.75): one
+/// expert gives either path a small grid.
+pub const PREFILL_DENSE_FROM_QUARTERS: [usize; 2] = [12, 15];
 
 /// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
 /// tiles are faster at 24, slower at 48; run 15).
@@ -1318,12 +1315,10 @@ impl GemmPath {
     }
 
     /// The path for `pairs` routed pairs over `experts` experts (`gated`: SwiGLU-style experts,
-    /// whose decode GEMMs run two weight rows per output): `forced` when given, else, non-gated,
-    /// prefill from [`PREFILL_NONGATED_FROM_QUARTERS`] quarter tokens per expert; gated, from
-    /// [`PREFILL_MIN_TOKENS_PER_EXPERT`] mean tokens per expert, or from
-    /// [`PREFILL_FROM_QUARTERS_PER_EXPERT`] quarter tokens per expert once there are
-    /// [`PREFILL_SPARSE_MIN_PAIRS_GATED`] pairs; decode whenever the device lacks even the
-    /// small prefill tiles' shared memory.
+    /// whose decode GEMMs run two weight rows per output): `forced` when given, else prefill
+    /// from [`PREFILL_GATED_FROM_QUARTERS`] or [`PREFILL_NONGATED_FROM_QUARTERS`] quarter
+    /// tokens per expert ([`PREFILL_DENSE_FROM_QUARTERS`] for one expert); decode whenever the
+    /// device lacks even the small prefill tiles' shared memory.
     pub fn choose(
         pairs: usize,
         experts: usize,
@@ -1334,22 +1329,18 @@ impl GemmPath {
         if PREFILL_SMEM > max_shared_bytes {
             return GemmPath::Decode;
         }
-        match forced {
-            Some(path) => path,
-            None if !gated => {
-                if 4 * pairs >= PREFILL_NONGATED_FROM_QUARTERS * experts.max(1) {
-                    GemmPath::Prefill
-                } else {
-                    GemmPath::Decode
-                }
-            }
-            None if pairs / experts.max(1) >= PREFILL_MIN_TOKENS_PER_EXPERT => GemmPath::Prefill,
-            None if pairs >= PREFILL_SPARSE_MIN_PAIRS_GATED
-                && 4 * pairs >= PREFILL_FROM_QUARTERS_PER_EXPERT * experts =>
-            {
-                GemmPath::Prefill
-            }
-            None => GemmPath::Decode,
+        if let Some(path) = forced {
+            return path;
+        }
+        let quarters = match (experts <= 1, gated) {
+            (true, g) => PREFILL_DENSE_FROM_QUARTERS[usize::from(!g)],
+            (false, true) => PREFILL_GATED_FROM_QUARTERS,
+            (false, false) => PREFILL_NONGATED_FROM_QUARTERS,
+        };
+        if 4 * pairs >= quarters * experts.max(1) {
+            GemmPath::Prefill
+        } else {
+            GemmPath::Decode
         }
     }
 }
@@ -3028,36 +3019,28 @@ mod tests {
         let choose = |pairs, experts, gated, smem, forced| {
             GemmPath::choose(pairs, experts, gated, smem, forced)
         };
-        // Qwen3 (E 128, top-8, gated): 18 tokens = 144 pairs stay on decode, 19 = 152 take
-        // prefill.
-        assert_eq!(choose(18 * 8, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(151, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(19 * 8, 128, true, h200, None), GemmPath::Prefill);
-        // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 3.75 tokens per expert (79
-        // tokens = 474 pairs), prefill from 480 pairs (80 tokens).
+        // Qwen3 (E 128, top-8, gated): decode below 4.75 tokens per expert (75 tokens = 600
+        // pairs), prefill from 608 pairs (76 tokens).
+        assert_eq!(choose(8 * 8, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(64 * 8, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(607, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(76 * 8, 128, true, h200, None), GemmPath::Prefill);
+        // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 5.75 tokens per expert (122
+        // tokens = 732 pairs), prefill from 736 pairs (123 tokens).
         assert_eq!(choose(8 * 6, 128, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(64 * 6, 128, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(479, 128, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(80 * 6, 128, false, h200, None), GemmPath::Prefill);
-        // The same 474 pairs gated take prefill (from 152).
-        assert_eq!(choose(79 * 6, 128, true, h200, None), GemmPath::Prefill);
-        // 256 experts (top-8, gated): 152 pairs are 0.59 per expert, 19 tokens; 0.25 per expert
-        // alone (64 pairs) is not enough.
-        assert_eq!(choose(64, 256, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(151, 256, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(152, 256, true, h200, None), GemmPath::Prefill);
-        // 1024 experts (gated): 152 pairs are below 0.25 per expert (256 pairs).
-        assert_eq!(choose(255, 1024, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(256, 1024, true, h200, None), GemmPath::Prefill);
-        // Non-gated layers ignore the quarter-per-expert rule at any expert count.
-        assert_eq!(choose(152, 256, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(3 * 256, 256, false, h200, None), GemmPath::Decode);
-        assert_eq!(choose(15 * 64, 256, false, h200, None), GemmPath::Prefill);
-        // Few experts: 3 tokens per expert below the sparse thresholds (8 experts, top-8: one
-        // token, 8 pairs, stays on the decode kernels; 24 pairs = 3 per expert take prefill).
-        assert_eq!(choose(8, 8, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(23, 8, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(24, 8, true, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(112 * 6, 128, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(735, 128, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(123 * 6, 128, false, h200, None), GemmPath::Prefill);
+        // The same 672 pairs gated take prefill (from 608).
+        assert_eq!(choose(112 * 6, 128, true, h200, None), GemmPath::Prefill);
+        // Other expert counts scale the same per-expert thresholds: 256 experts, gated, from
+        // 1216 pairs; non-gated from 1472; 8 experts, gated, from 38 pairs.
+        assert_eq!(choose(1215, 256, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(1216, 256, true, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(1471, 256, false, h200, None), GemmPath::Decode);
+        assert_eq!(choose(1472, 256, false, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(37, 8, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(38, 8, true, h200, None), GemmPath::Prefill);
         // A shared expert is one expert holding every token.
         assert_eq!(choose(2, 1, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(3, 1, false, h200, None), GemmPath::Decode);
