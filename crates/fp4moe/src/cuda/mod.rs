@@ -914,11 +914,15 @@ pub const PREFILL_GATED_FROM_QUARTERS: usize = 19;
 /// behind by 0.6 % at 6 → prefill from 5.75. Was 3.75 (session 29), 3 (run 125).
 pub const PREFILL_NONGATED_FROM_QUARTERS: usize = 23;
 
-/// Tokens, in quarters, from which one expert holding every token (a dense layer, the shared
-/// expert) takes the prefill kernels: gated, non-gated. Not re-measured since the decode
-/// kernels' sessions 28–30 (the routed layers' rule until run 125, 3 tokens; and 3.75): one
-/// expert gives either path a small grid.
-pub const PREFILL_DENSE_FROM_QUARTERS: [usize; 2] = [12, 15];
+/// Tokens, in quarters, from which one gated expert holding every token (a dense layer, the
+/// shared expert) takes the prefill kernels: 3 tokens, the routed layers' rule until run 125.
+/// Not re-measured since the decode kernels' sessions 28–30: one expert gives either path a
+/// small grid.
+pub const PREFILL_DENSE_GATED_FROM_QUARTERS: usize = 12;
+
+/// The same for one non-gated expert: from 4 tokens (the 3.75 per expert of session 29's
+/// routed rule), not re-measured either.
+pub const PREFILL_DENSE_NONGATED_FROM_QUARTERS: usize = 15;
 
 /// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
 /// tiles are faster at 24, slower at 48; run 15).
@@ -1317,8 +1321,9 @@ impl GemmPath {
     /// The path for `pairs` routed pairs over `experts` experts (`gated`: SwiGLU-style experts,
     /// whose decode GEMMs run two weight rows per output): `forced` when given, else prefill
     /// from [`PREFILL_GATED_FROM_QUARTERS`] or [`PREFILL_NONGATED_FROM_QUARTERS`] quarter
-    /// tokens per expert ([`PREFILL_DENSE_FROM_QUARTERS`] for one expert); decode whenever the
-    /// device lacks even the small prefill tiles' shared memory.
+    /// tokens per expert ([`PREFILL_DENSE_GATED_FROM_QUARTERS`] or
+    /// [`PREFILL_DENSE_NONGATED_FROM_QUARTERS`] for one expert); decode whenever the device
+    /// lacks even the small prefill tiles' shared memory.
     pub fn choose(
         pairs: usize,
         experts: usize,
@@ -1333,7 +1338,8 @@ impl GemmPath {
             return path;
         }
         let quarters = match (experts <= 1, gated) {
-            (true, g) => PREFILL_DENSE_FROM_QUARTERS[usize::from(!g)],
+            (true, true) => PREFILL_DENSE_GATED_FROM_QUARTERS,
+            (true, false) => PREFILL_DENSE_NONGATED_FROM_QUARTERS,
             (false, true) => PREFILL_GATED_FROM_QUARTERS,
             (false, false) => PREFILL_NONGATED_FROM_QUARTERS,
         };
