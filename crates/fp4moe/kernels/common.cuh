@@ -126,8 +126,9 @@ __device__ __forceinline__ float apply_activation(int act, float h, float up) {
 // stream serialization may start while its predecessor runs: pdl_wait() returns once the
 // predecessor has completed and its writes are visible, so nothing the predecessor writes may be
 // read (or anything it reads be written) before it. pdl_launch_dependents() lets the next kernel
-// start once every block of this one has called it (or exited); each GEMM and the combine call it
-// right after their wait, so a successor never starts before this kernel's predecessor is done.
+// start once every block of this one has called it (or exited); every kernel launched so (the
+// routing kernels, each GEMM and the combine) calls it right after its wait, so a successor never
+// starts before this kernel's predecessor is done.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -137,6 +138,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+// The routing kernels' first statement (they may run as programmatic dependents, and every
+// input they read or buffer they write belongs to earlier work on the stream): wait for the
+// predecessor, then let the next kernel's blocks become resident while this one runs.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_launch_dependents();
 }
 
 __device__ __forceinline__ float warp_max(float v) {

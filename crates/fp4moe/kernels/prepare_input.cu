@@ -3,12 +3,14 @@
 
 extern "C" __global__ void prepare_input(const float* __restrict__ x, __nv_bfloat16* __restrict__ a,
                                          __nv_bfloat16* __restrict__ xs, int hidden, float gs) {
+    pdl_enter();
     size_t row = (size_t)blockIdx.x * hidden;
     prepare_row(x + row, a + row, xs ? xs + row : nullptr, hidden, gs, threadIdx.x, blockDim.x);
 }
 
 // inv[sorted[i]] = i: each routed pair's row in sorted order, for prepare_input_sorted.
 extern "C" __global__ void invert_pairs(const int* __restrict__ sorted, int* __restrict__ inv, int pairs) {
+    pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < pairs) inv[sorted[i]] = i;
 }
@@ -20,6 +22,7 @@ extern "C" __global__ void invert_pairs(const int* __restrict__ sorted, int* __r
 extern "C" __global__ void prepare_input_sorted(const float* __restrict__ x, __nv_bfloat16* __restrict__ a_sorted,
                                                 __nv_bfloat16* __restrict__ xs, const int* __restrict__ inv, int hidden,
                                                 float gs, int top_k) {
+    pdl_enter();
     __shared__ int rows[32];
     if (threadIdx.x < top_k) rows[threadIdx.x] = inv[(size_t)blockIdx.x * top_k + threadIdx.x];
     __syncthreads();
@@ -32,6 +35,7 @@ extern "C" __global__ void prepare_input_sorted(const float* __restrict__ x, __n
 // `hidden` bf16, hidden % 8 == 0), one warp per row, 16-byte copies.
 extern "C" __global__ void gather_rows(const __nv_bfloat16* __restrict__ a, const int* __restrict__ sorted,
                                        __nv_bfloat16* __restrict__ out, int pairs, int top_k, int hidden) {
+    pdl_enter();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= pairs) return;
     const uint4* src = reinterpret_cast<const uint4*>(a + (size_t)(sorted[row] / top_k) * hidden);

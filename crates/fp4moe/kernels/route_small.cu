@@ -6,8 +6,8 @@
 // n logits (n = 4 with eight warps each up to 1024 logits, else 32 of one warp), as
 // router_logits does; then each block takes a ticket (atomicAdd on a workspace int) and only the block that
 // draws gridDim.x - 1, i.e. the last to finish its logits, goes on. It resets the counter to 0,
-// so the next launch (CUDA-graph replays included; launches on one stream are serialized) starts
-// from 0. No block ever waits on another, so residency does not matter. ROUTE_FROM_LOGITS (logits
+// so the next launch (CUDA-graph replays included) starts from 0: every launch passes
+// pdl_enter() before it touches the counter, i.e. after the previous one has ended. No block ever waits on another, so residency does not matter. ROUTE_FROM_LOGITS (logits
 // given, [T, E]) and ROUTE_FROM_IDS (ids and weights given, [T, k]) run one block.
 // The continuing block then runs, for one token without expert groups among at most 128
 // experts, topk_token_group and sort_pairs_group in its first RS_ONE_TOKEN_THREADS threads;
@@ -71,6 +71,7 @@ __device__ __forceinline__ void prepare_rows(const RouteSmallParams& p, int t0, 
 // One block per SM stated explicitly: with (1024) alone ptxas capped the kernel at 32 registers
 // and spilled once prepare_row went to 4 elements per thread (it used ~55, as now).
 extern "C" __global__ void __launch_bounds__(1024, 1) route_small(const RouteSmallParams p) {
+    pdl_enter();
     extern __shared__ float smem[];
     const int tokens = p.tokens, experts = p.experts;
     const int w = threadIdx.x >> 5;

@@ -54,6 +54,7 @@ __device__ __forceinline__ void store_logit_tiles(float* o, const float (&acc)[N
 extern "C" __global__ void __launch_bounds__(RL_WARPS * 32)
     router_logits(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ logits, int tokens,
                   int hidden, int experts) {
+    pdl_enter();
     __shared__ float part[RL_WARPS];
     router_logits_block(x, w, logits, tokens * experts, experts, hidden, part, blockIdx.x, RL_WARPS);
 }
@@ -74,6 +75,7 @@ __device__ __forceinline__ int rl_swz(int k) { return ((k >> 2) & 7) << 2; }
 extern "C" __global__ void __launch_bounds__(256) router_logits_tiled(const float* __restrict__ x, const float* __restrict__ w,
                                                                        float* __restrict__ logits, int tokens, int hidden,
                                                                        int experts) {
+    pdl_enter();
     __shared__ __align__(16) float xs[RL_K][RL_LD];  // [k][token]
     __shared__ __align__(16) float ws[RL_K][RL_LD];  // [k][expert]
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
@@ -151,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(256) router_logits_tiled(const floa
 extern "C" __global__ void __launch_bounds__(RW_THREADS, 2) router_logits_wide(const float* __restrict__ x, const float* __restrict__ w,
                                                                         float* __restrict__ out, int tokens, int hidden,
                                                                         int experts, int k_split) {
+    pdl_enter();
     extern __shared__ __align__(16) float rw_smem[];
     constexpr int STAGE = (RW_TOK + RW_EXP) * RW_LD;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, ty = lane >> 3, tx = lane & 7;
@@ -217,6 +220,7 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS, 2) router_logits_wide(c
 // logits[i] = part[0·n + i] + part[1·n + i] + ... in slice order (router_logits_wide's split).
 extern "C" __global__ void __launch_bounds__(256) router_sum_splits(const float* __restrict__ part, float* __restrict__ logits,
                                                                     int n, int splits) {
+    pdl_enter();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         float v = part[i];
         for (int s = 1; s < splits; s++) v += part[(size_t)s * n + i];
@@ -260,6 +264,7 @@ __device__ __forceinline__ void mma_tf32_1688(float d[4], const u32 a[4], const 
 extern "C" __global__ void __launch_bounds__(RT_THREADS) router_logits_tf32x3(const float* __restrict__ x, const float* __restrict__ w,
                                                                          float* __restrict__ logits, int tokens, int hidden,
                                                                          int experts) {
+    pdl_enter();
     constexpr int TOK = RT_TOK, THREADS = RT_THREADS;
     __shared__ __align__(16) float xs[RT_STAGES][TOK][RT_LD];
     __shared__ __align__(16) float ws[RT_STAGES][RT_EXP][RT_LD];
@@ -339,6 +344,7 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
                                       int* __restrict__ ids, float* __restrict__ weights, int tokens,
                                       int experts, int top_k, int scoring, int n_group, int topk_group,
                                       int renormalize, float rsf) {
+    pdl_enter();
     extern __shared__ float smem[];
     int wib = threadIdx.x >> 5;
     int t = blockIdx.x * (blockDim.x >> 5) + wib;
@@ -401,6 +407,7 @@ extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(c
                                                                                float* __restrict__ out, int tokens,
                                                                                int hidden, int hidden_pad,
                                                                                int experts, int k_split) {
+    pdl_enter();
     extern __shared__ __align__(16) unsigned char rb_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int t0 = blockIdx.x * RB_TOK, e0 = blockIdx.y * RB_EXP;

@@ -7,6 +7,7 @@
 extern "C" __global__ void sort_pairs(const int* __restrict__ ids, int pairs, int experts,
                                       int* __restrict__ offsets, int* __restrict__ sorted,
                                       int* __restrict__ active, int* __restrict__ num_active) {
+    pdl_enter();
     extern __shared__ int hist[];  // [32][experts], then flags[experts]
     sort_pairs_block(ids, pairs, experts, offsets, sorted, active, num_active, hist);
 }
@@ -17,6 +18,7 @@ extern "C" __global__ void sort_pairs(const int* __restrict__ ids, int pairs, in
 // Chunks in order, warps in order, lanes in order: the same sorted order as sort_pairs.
 extern "C" __global__ void count_pairs(const int* __restrict__ ids, int pairs, int experts, int chunk,
                                        int* __restrict__ counts) {
+    pdl_enter();
     extern __shared__ int hist[];  // [32][experts]
     for (int i = threadIdx.x; i < 32 * experts; i += blockDim.x) hist[i] = 0;
     __syncthreads();
@@ -33,6 +35,7 @@ extern "C" __global__ void count_pairs(const int* __restrict__ ids, int pairs, i
 extern "C" __global__ void scan_pair_counts(int* __restrict__ counts, int chunks, int experts,
                                             int* __restrict__ offsets, int* __restrict__ active,
                                             int* __restrict__ num_active) {
+    pdl_enter();
     extern __shared__ int flags[];  // [experts]
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         int c = 0;
@@ -53,6 +56,7 @@ extern "C" __global__ void scan_pair_counts(int* __restrict__ counts, int chunks
 
 extern "C" __global__ void place_pairs(const int* __restrict__ ids, int pairs, int experts, int chunk,
                                        const int* __restrict__ bases, int* __restrict__ sorted) {
+    pdl_enter();
     extern __shared__ int hist[];  // [32][experts]
     for (int i = threadIdx.x; i < 32 * experts; i += blockDim.x) hist[i] = 0;
     __syncthreads();

@@ -1227,16 +1227,18 @@ fn graph_capture_replays_the_layer() {
     }
     for path in [GemmPath::Decode, GemmPath::Prefill] {
         for route in [RoutePath::Split, RoutePath::Fused] {
-            graph_capture(path, route);
+            graph_capture(path, route, 24);
         }
     }
+    // 4400 pairs: the chunked pair sort, the bf16 router's k split and the sorted input write,
+    // every routing launch a programmatic dependent of the one before.
+    graph_capture(GemmPath::Prefill, RoutePath::Split, 1100);
 }
 
 /// Eager and replayed forwards agree; `route`: the fused kernel's block ticket counter must be
 /// back at 0 after every replay.
-fn graph_capture(path: GemmPath, route: RoutePath) {
+fn graph_capture(path: GemmPath, route: RoutePath, tokens: usize) {
     let s = spec(512, 256, 32, 4, Activation::Silu, QuantMode::W4A16);
-    let tokens = 24;
     let w = random_weights(&s, 9).unwrap();
     let mut layer = CudaLayer::new(&s, &w).unwrap();
     layer.set_gemm_path(Some(path));

@@ -35,7 +35,7 @@ use crate::spec::{MoeSpec, Scoring};
 use crate::weights::{DenseWeight, ExpertStack, MoeWeights};
 use cudarc::driver::{
     sys as dsys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DeviceRepr, LaunchConfig, PushKernelArg,
+    DeviceRepr, LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -291,6 +291,49 @@ struct RouteIo {
     bias: u64,
     ids: u64,
     weights: u64,
+}
+
+/// A type a kernel takes by value, the C type of the same size: `int`, `float`, a device
+/// pointer (`u64`), or a parameter struct whose layout a test pins (sealed: nothing else can be
+/// pushed, so no `usize` or `bool` lands where the kernel reads an `int`).
+trait KernelArg: DeviceRepr + Copy {}
+impl KernelArg for i32 {}
+impl KernelArg for f32 {}
+impl KernelArg for u64 {}
+impl KernelArg for RouteSmallParams {}
+impl KernelArg for one_token::OneTokenParams {}
+
+/// A kernel's arguments by value for `cuLaunchKernelEx` (cudarc 0.19's launch builder takes no
+/// launch attributes, and the routing kernels launch as programmatic dependents): each value at
+/// an 8-byte-aligned offset of one buffer, from which the driver reads the parameter's size.
+#[derive(Default)]
+struct KernelArgs {
+    words: Vec<u64>,
+    starts: Vec<usize>,
+}
+
+impl KernelArgs {
+    fn arg<T: KernelArg>(&mut self, v: &T) -> &mut Self {
+        const { assert!(std::mem::align_of::<T>() <= 8) };
+        let at = self.words.len();
+        self.words
+            .resize(at + std::mem::size_of::<T>().div_ceil(8).max(1), 0);
+        // SAFETY: words[at..] is 8-byte aligned (T needs at most 8) and holds size_of::<T>()
+        // bytes; KernelArg types are plain data that a kernel reads bytewise.
+        unsafe { std::ptr::write(self.words.as_mut_ptr().add(at).cast::<T>(), *v) };
+        self.starts.push(at);
+        self
+    }
+
+    /// One pointer per argument, valid while `self` lives and takes no more arguments.
+    fn pointers(&mut self) -> Vec<*mut c_void> {
+        let base = self.words.as_mut_ptr();
+        // SAFETY: every start is an index into `words`.
+        self.starts
+            .iter()
+            .map(|&at| unsafe { base.add(at) }.cast())
+            .collect()
+    }
 }
 
 /// Parameters of `route_small.cu`; the layout matches `struct RouteSmallParams` there.
@@ -1782,23 +1825,44 @@ impl CudaLayer {
         })
     }
 
-    fn launch<'a>(
-        &'a self,
+    /// A routing-path kernel (`routing.cu`, `sort_pairs.cu`, `prepare_input.cu`,
+    /// `route_small.cu`), as a dependent launch: each of their kernels starts with
+    /// `pdl_enter()` (test `routing_kernels_wait_first`); any other kernel goes through
+    /// [`Self::launch_serialized`] or waits first too.
+    fn launch(
+        &self,
         name: &str,
         cfg: LaunchConfig,
-        args: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>),
+        args: impl FnOnce(&mut KernelArgs),
     ) -> Result<()> {
-        let f: &'a CudaFunction = self.dev.function(name)?;
-        let mut b = self.dev.stream.launch_builder(f);
-        args(&mut b);
+        self.launch_args(name, cfg, self.dev.pdl, args)
+    }
+
+    /// A kernel that must not start before its predecessor ends (`one_token.cu`, whose grid
+    /// barrier needs all its blocks resident and which has no `pdl_wait`).
+    fn launch_serialized(
+        &self,
+        name: &str,
+        cfg: LaunchConfig,
+        args: impl FnOnce(&mut KernelArgs),
+    ) -> Result<()> {
+        self.launch_args(name, cfg, false, args)
+    }
+
+    fn launch_args(
+        &self,
+        name: &str,
+        cfg: LaunchConfig,
+        pdl: bool,
+        args: impl FnOnce(&mut KernelArgs),
+    ) -> Result<()> {
+        let mut a = KernelArgs::default();
+        args(&mut a);
+        let mut ptrs = a.pointers();
         // SAFETY: every kernel's arguments are pushed in the order and types of its C signature,
-        // with buffers sized by `workspace` for the workspace's token count (checked by callers).
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| Error::Cuda {
-                stage: "kernel launch",
-                message: format!("{name}: {e}"),
-            })
+        // with buffers sized by `workspace` for the workspace's token count (checked by
+        // callers); `a` owns the values `ptrs` points at until the call returns.
+        unsafe { self.launch_ex(name, cfg, 1, pdl, &mut ptrs) }
     }
 
     /// An expert GEMM (one `GemmParams` argument), as a dependent launch.
@@ -1806,25 +1870,26 @@ impl CudaLayer {
         let mut args: [*mut c_void; 1] = [&params as *const GemmParams as *mut c_void];
         // SAFETY: every GEMM kernel takes one `GemmParams` by value (the layout of its C struct,
         // `GemmParams` is `repr(C)`); `args` points at it for the duration of the call.
-        unsafe { self.launch_dependent(name, cfg, 1, &mut args) }
+        unsafe { self.launch_ex(name, cfg, 1, self.dev.pdl, &mut args) }
     }
 
-    /// Launches kernel `name` with programmatic stream serialization where the device has it
-    /// (sm_90+, unless `FP4MOE_PDL=0`): it may start while the previous kernel of the stream
-    /// finishes and waits for it in `pdl_wait()` (common.cuh), which every kernel launched here
-    /// calls before touching its predecessor's outputs. Captured graphs keep the programmatic
-    /// edge.
+    /// Launches kernel `name`, with programmatic stream serialization when `pdl` (pass
+    /// `self.dev.pdl`: sm_90+, unless `FP4MOE_PDL=0`): it may start while the previous kernel
+    /// of the stream finishes and waits for it in `pdl_wait()` (common.cuh), which every kernel
+    /// launched so calls before touching its predecessor's outputs. Captured graphs keep the
+    /// programmatic edge.
     ///
     /// `cluster` > 1 launches clusters of that many blocks along x (grid x a multiple of it).
     ///
     /// # Safety
     /// `args` must point to the kernel's arguments, in order and with the C types of its
     /// signature, valid for the duration of the call.
-    unsafe fn launch_dependent(
+    unsafe fn launch_ex(
         &self,
         name: &str,
         cfg: LaunchConfig,
         cluster: u32,
+        pdl: bool,
         args: &mut [*mut c_void],
     ) -> Result<()> {
         let f = self.dev.function(name)?;
@@ -1837,7 +1902,7 @@ impl CudaLayer {
             attrs[n].value.clusterDim.z = 1;
             n += 1;
         }
-        if self.dev.pdl {
+        if pdl {
             attrs[n].id =
                 dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n].value.programmaticStreamSerializationAllowed = 1;
@@ -2268,7 +2333,7 @@ impl CudaLayer {
         // frame for the duration of the call. The map covers `sorted_rows.rows` rows of
         // `sorted_rows.stride` bf16 inside a workspace buffer (`a_sorted`, `xs`, `g`, `sh_g`)
         // that outlives the launch and any graph replaying it; the TMA never reads past it.
-        unsafe { self.launch_dependent(name, cfg, cluster, &mut args) }
+        unsafe { self.launch_ex(name, cfg, cluster, self.dev.pdl, &mut args) }
     }
 
     /// The tile and activation feed of one prefill GEMM of reduction length `k` and `rg` output
@@ -2798,7 +2863,7 @@ impl CudaLayer {
         ];
         // SAFETY: `combine(const bf16*, const bf16*, float*, int, int, int)`: three device
         // pointers and three ints, in this order, each pointed to by `args` for the call.
-        unsafe { self.launch_dependent("combine", cfg, 1, &mut args) }
+        unsafe { self.launch_ex("combine", cfg, 1, self.dev.pdl, &mut args) }
     }
 
     /// The whole layer on the device: routing (from `logits` or the router weight) and experts,
@@ -2927,6 +2992,59 @@ impl Experts for CudaExperts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn routing_kernels_wait_first() {
+        // CudaLayer::launch makes these dependent launches: nothing may run before the wait.
+        for file in [
+            "routing.cu",
+            "sort_pairs.cu",
+            "prepare_input.cu",
+            "route_small.cu",
+        ] {
+            let src = compile::kernel_text(file);
+            let mut n = 0;
+            for (at, _) in src.match_indices("extern \"C\" __global__") {
+                let body = &src[at..];
+                let open = body.find(") {").expect("kernel body") + 3;
+                assert!(
+                    body[open..].trim_start().starts_with("pdl_enter();"),
+                    "{file}: a kernel does not start with pdl_enter()"
+                );
+                n += 1;
+            }
+            assert_eq!(n, compile::kernel_names(file).len(), "{file}");
+        }
+    }
+
+    #[test]
+    fn kernel_args_keep_each_value_whole_in_an_aligned_slot() {
+        let params = RouteSmallParams {
+            tokens: 7,
+            rsf: 2.5,
+            ticket: 0xdead_beef_0000_0001,
+            ..Default::default()
+        };
+        let mut a = KernelArgs::default();
+        a.arg(&-5i32)
+            .arg(&1.25f32)
+            .arg(&0x1234_5678_9abc_def0u64)
+            .arg(&params);
+        let ptrs = a.pointers();
+        assert_eq!(ptrs.len(), 4);
+        assert!(ptrs.iter().all(|p| *p as usize % 8 == 0));
+        // SAFETY: each pointer addresses a live slot holding a value of the type read.
+        unsafe {
+            assert_eq!(*(ptrs[0] as *const i32), -5);
+            assert_eq!(*(ptrs[1] as *const f32), 1.25);
+            assert_eq!(*(ptrs[2] as *const u64), 0x1234_5678_9abc_def0);
+            let back = *(ptrs[3] as *const RouteSmallParams);
+            assert_eq!(
+                (back.tokens, back.rsf, back.ticket),
+                (7, 2.5, params.ticket)
+            );
+        }
+    }
 
     #[test]
     fn router_wide_splits_cover_k_once_and_fill_one_wave() {

@@ -21,7 +21,7 @@ use super::{
     RoutePath, RouteSource, Selection, StreamShape,
 };
 use crate::error::Result;
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 use std::sync::OnceLock;
 
 /// Teams of eight warps per block (`OT_TEAMS_PLAIN`, `OT_TEAMS_GATED`), each computing one
@@ -356,7 +356,7 @@ impl CudaLayer {
             block_dim: (threads(g.gated) as u32, 1, 1),
             shared_mem_bytes: shape.smem as u32,
         };
-        self.launch(name, cfg, |b| {
+        self.launch_serialized(name, cfg, |b| {
             b.arg(&params);
         })?;
         Ok(true)
