@@ -112,7 +112,10 @@ __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 s
 }
 
 // KIND 0: NVFP4 weights, 1: bf16 weights. STAGE 1: GEMM1 + activation, 2: GEMM2.
-template <int KIND, int STAGE, bool GATED, int NSUB, int RGPB, int NWARPS>
+// VS: K slices per warp. The deep shape (VS 2) runs a wide block's two K slices of a row group in
+// one warp, each into its own accumulators added at the end as the wide block's reduction adds
+// them (the same bits), with half the warps per block and four blocks per SM.
+template <int KIND, int STAGE, bool GATED, int NSUB, int RGPB, int NWARPS, int VS>
 __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     constexpr int KSPLIT = NWARPS / RGPB;
     constexpr int NT = 8 * NSUB;
@@ -133,8 +136,9 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     int rgl = warp % RGPB, ks = warp / RGPB;
     int rg = blockIdx.x * RGPB + rgl;
     bool active_warp = rg < p.rg_out;
-    int per = (p.kg + KSPLIT - 1) / KSPLIT;
-    int k_lo = min(ks * per, p.kg), k_hi = min(k_lo + per, p.kg);
+    int per = (p.kg + KSPLIT * VS - 1) / (KSPLIT * VS);
+    int k_lo = min(ks * VS * per, p.kg), k_hi = min(k_lo + VS * per, p.kg);
+    const int mid = min(k_lo + per, k_hi);  // VS 2: the second slice's first k group
 
     if (!ALU) fill_dequant_tables(lut4, lut8);
 
@@ -209,52 +213,93 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         cp_async_wait<0>();
         __syncthreads();
 
-        float acc[NSUB][4], accu[NSUB][4];
+        float acc[NSUB][4], accu[NSUB][4], acc1[NSUB][4], accu1[NSUB][4];
 #pragma unroll
         for (int s = 0; s < NSUB; s++)
 #pragma unroll
-            for (int c = 0; c < 4; c++) acc[s][c] = accu[s][c] = 0.0f;
+            for (int c = 0; c < 4; c++) acc[s][c] = accu[s][c] = acc1[s][c] = accu1[s][c] = 0.0f;
 
-        if (run) {
-            if (KIND == 0) {
-                for (int kgi = k_lo; kgi < k_hi; kgi += 2) {
-                    nvfp4_kgroup<NSUB, GATED, ALU>(da, sa, dua, sua, kgi, acc, accu, lut4, lut8, brow_s, sub_bytes, nsub_valid);
-                    if (kgi + 2 < k_hi) load(kgi + 2, 2, da, sa, dua, sua);
-                    if (kgi + 1 < k_hi) {
-                        nvfp4_kgroup<NSUB, GATED, ALU>(db, sb, dub, sub, kgi + 1, acc, accu, lut4, lut8, brow_s, sub_bytes,
-                                                  nsub_valid);
-                        if (kgi + 3 < k_hi) load(kgi + 3, 3, db, sb, dub, sub);
-                    }
-                    if (ALU) {
-                        wd += 64;
-                        ws += 16;
-                        asm volatile("" : "+l"(wd), "+l"(ws));
-                        if (GATED) {
-                            wdu += 64;
-                            wsu += 16;
-                            asm volatile("" : "+l"(wdu), "+l"(wsu));
-                        }
-                    }
+        // k groups [lo, hi) into (A, AU), the register pipeline's group lo in (d0 ...) and lo + 1
+        // in (d1 ...); loads run ahead to k_hi, so the next slice starts with its first two
+        // groups in flight.
+        auto phase = [&](float (&A)[NSUB][4], float (&AU)[NSUB][4], int lo, int hi, uint4& d0, uint2& s0,
+                         uint4& du0, uint2& su0, uint4& d1, uint2& s1, uint4& du1, uint2& su1) {
+            if (ALU) {
+                wd = wd0 + lo * 32;
+                ws = ws0 + lo * 8;
+                asm volatile("" : "+l"(wd), "+l"(ws));
+                if (GATED) {
+                    wdu = wdu0 + lo * 32;
+                    wsu = wsu0 + lo * 8;
+                    asm volatile("" : "+l"(wdu), "+l"(wsu));
                 }
-            } else {
-                const int kb_n = kp / 16;
-                const uint4* bd = reinterpret_cast<const uint4*>(p.wdata) + wrow * kb_n * 32 + lane;
-                const uint4* bdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * kb_n * 32 + lane;
-                for (int kb = 4 * k_lo; kb < 4 * k_hi; kb++) {
-                    uint4 d = ld_stream(bd + kb * 32);
-                    const u32 a[4] = {d.x, d.y, d.z, d.w};
-                    mma_subtiles<NSUB>(acc, a, brow_s + kb * 32, sub_bytes, nsub_valid);
+            }
+            for (int kgi = lo; kgi < hi; kgi += 2) {
+                nvfp4_kgroup<NSUB, GATED, ALU>(d0, s0, du0, su0, kgi, A, AU, lut4, lut8, brow_s, sub_bytes, nsub_valid);
+                if (kgi + 2 < k_hi) load(kgi + 2, 2, d0, s0, du0, su0);
+                if (kgi + 1 < hi) {
+                    nvfp4_kgroup<NSUB, GATED, ALU>(d1, s1, du1, su1, kgi + 1, A, AU, lut4, lut8, brow_s, sub_bytes,
+                                                   nsub_valid);
+                    if (kgi + 3 < k_hi) load(kgi + 3, 3, d1, s1, du1, su1);
+                }
+                if (ALU) {
+                    wd += 64;
+                    ws += 16;
+                    asm volatile("" : "+l"(wd), "+l"(ws));
                     if (GATED) {
-                        uint4 du = ld_stream(bdu + kb * 32);
-                        const u32 au[4] = {du.x, du.y, du.z, du.w};
-                        mma_subtiles<NSUB>(accu, au, brow_s + kb * 32, sub_bytes, nsub_valid);
+                        wdu += 64;
+                        wsu += 16;
+                        asm volatile("" : "+l"(wdu), "+l"(wsu));
                     }
                 }
             }
+        };
+        auto bf16_slice = [&](float (&A)[NSUB][4], float (&AU)[NSUB][4], int lo, int hi) {
+            const int kb_n = kp / 16;
+            const uint4* bd = reinterpret_cast<const uint4*>(p.wdata) + wrow * kb_n * 32 + lane;
+            const uint4* bdu = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * kb_n * 32 + lane;
+            for (int kb = 4 * lo; kb < 4 * hi; kb++) {
+                uint4 d = ld_stream(bd + kb * 32);
+                const u32 a[4] = {d.x, d.y, d.z, d.w};
+                mma_subtiles<NSUB>(A, a, brow_s + kb * 32, sub_bytes, nsub_valid);
+                if (GATED) {
+                    uint4 du = ld_stream(bdu + kb * 32);
+                    const u32 au[4] = {du.x, du.y, du.z, du.w};
+                    mma_subtiles<NSUB>(AU, au, brow_s + kb * 32, sub_bytes, nsub_valid);
+                }
+            }
+        };
+        if (run) {
+            if (KIND == 0) {
+                if (VS == 1) {
+                    phase(acc, accu, k_lo, k_hi, da, sa, dua, sua, db, sb, dub, sub);
+                } else {
+                    phase(acc, accu, k_lo, mid, da, sa, dua, sua, db, sb, dub, sub);
+                    // The second slice's first group is in the buffer after the first slice's last.
+                    if (((mid - k_lo) & 1) == 0)
+                        phase(acc1, accu1, mid, k_hi, da, sa, dua, sua, db, sb, dub, sub);
+                    else
+                        phase(acc1, accu1, mid, k_hi, db, sb, dub, sub, da, sa, dua, sua);
+                }
+            } else {
+                bf16_slice(acc, accu, k_lo, mid);
+                if (VS == 2) bf16_slice(acc1, accu1, mid, k_hi);
+            }
+        }
+        if (VS == 2) {
+            // The wide block's reduction: slice 0's sums plus slice 1's, in that order.
+#pragma unroll
+            for (int s = 0; s < NSUB; s++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    acc[s][c] += acc1[s][c];
+                    if (GATED) accu[s][c] += accu1[s][c];
+                }
         }
 
-        // Split-K reduction: slices 1..KSPLIT-1 park their sums, slice 0 adds them in order.
-        __syncthreads();  // every warp is done reading sact
+        // Split-K reduction: slices 1..KSPLIT-1 park their sums, slice 0 adds them in order (one
+        // slice: nothing to exchange; the next tile's barrier protects sact).
+        if (KSPLIT > 1) __syncthreads();  // every warp is done reading sact
         if (ks > 0) {
             float* dst = red + (((ks - 1) * RGPB + rgl) * 32 + lane) * NACC;
 #pragma unroll
@@ -265,7 +310,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                     if (GATED) dst[NSUB * 4 + s * 4 + c] = accu[s][c];
                 }
         }
-        __syncthreads();
+        if (KSPLIT > 1) __syncthreads();
         if (ks != 0 || !active_warp) continue;
 #pragma unroll
         for (int o = 1; o < KSPLIT; o++) {
@@ -289,20 +334,22 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 
 // Non-gated variants are held to 64 registers (two 16-warp blocks per SM): occupancy is what
 // keeps enough weight bytes in flight. Gated and bf16 (shared expert) ones need more room.
-#define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, CFG)                               \
-    extern "C" __global__ void __launch_bounds__(NW * 32, (GATED || NSUB == 4 || KIND == 1) ? 1 : 2)             \
-        NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                  \
-        pdl_wait();                                                                                    \
-        pdl_launch_dependents();                                                                       \
-        gemm_body<KIND, STAGE, GATED, NSUB, RG, NW>(p);                                                \
+#define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG)                                  \
+    extern "C" __global__ void __launch_bounds__(                                                        \
+        NW * 32, VS == 2 ? ((GATED || KIND == 1) ? 2 : 4) : ((GATED || NSUB == 4 || KIND == 1) ? 1 : 2))    \
+        NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                     \
+        pdl_wait();                                                                                       \
+        pdl_launch_dependents();                                                                          \
+        gemm_body<KIND, STAGE, GATED, NSUB, RG, NW, VS>(p);                                              \
     }
 #define INSTANTIATE(NAME, KIND, STAGE, GATED)                     \
-    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 2, 16, narrow)   \
-    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 2, 2, 16, narrow)   \
-    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 4, 1, 8, narrow)    \
-    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 8, 16, wide)     \
-    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 2, 8, 16, wide)     \
-    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 4, 4, 8, wide)
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 2, 16, 1, narrow)   \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 2, 2, 16, 1, narrow)   \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 4, 1, 8, 1, narrow)    \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 8, 16, 1, wide)     \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 2, 8, 16, 1, wide)     \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 4, 4, 8, 1, wide)      \
+    INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 8, 8, 2, deep)
 
 INSTANTIATE(gemm1_nvfp4_gated, 0, 1, true)
 INSTANTIATE(gemm1_nvfp4_plain, 0, 1, false)

@@ -9,7 +9,7 @@ mod common;
 use fp4moe::calibration::calibrate_with_router;
 use fp4moe::cuda::{
     router_bf16_splits, router_wide_splits, CudaLayer, CudaWorkspace, DecodeKernel, GemmPath,
-    PrefillFeed, PrefillTile, RoutePath, RouterKernel,
+    GemmShape, PrefillFeed, PrefillTile, RoutePath, RouterKernel,
 };
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
@@ -796,6 +796,44 @@ fn decode_token_subtiles_agree_bitwise() {
             );
         }
         println!("decode subtiles {act} {quant}: 1 / 2 / 16 / 48 / 100 tokens bitwise equal");
+    }
+}
+
+/// The deep decode shape (one subtile; a warp runs both of the wide shape's K slices into
+/// separate sums) gives the wide shape's bits: 42 and 29 k groups (slices of 21 and 15, odd, so
+/// the second slice starts in the other register buffer), 3 and 1, 2 and 3; both GEMMs, gated
+/// and not, W4A16 and W4A4; 16 tokens over 16 experts, top-4 (some experts take two passes).
+#[test]
+fn deep_decode_shape_matches_wide_bitwise() {
+    if !common::gpu_available() {
+        return;
+    }
+    for (h, i, act, quant) in [
+        (2688, 1856, Activation::Relu2NoMul, QuantMode::W4A16),
+        (2688, 1856, Activation::Silu, W4A4),
+        (192, 64, Activation::Silu, QuantMode::W4A16),
+        (128, 192, Activation::Relu2NoMul, QuantMode::W4A16),
+    ] {
+        let s = spec(h, i, 16, 4, act, quant);
+        let x = random_tokens(16, h, 8200 + h as u64);
+        let w = with_scales(&s, random_weights(&s, 8201).unwrap(), &x);
+        let logits = router_logits(&x, w.router.as_ref().unwrap(), h, 16);
+        let mut layer = CudaLayer::new(&s, &w).unwrap();
+        layer.set_gemm_path(Some(GemmPath::Decode));
+        layer.set_decode_kernel(Some(DecodeKernel::Mma));
+        layer.set_gemm_shape(Some(GemmShape::Wide));
+        let (wide, _) = run_device(&layer, &x, &logits);
+        layer.set_gemm_shape(Some(GemmShape::Deep));
+        let (deep, _) = run_device(&layer, &x, &logits);
+        assert!(
+            wide.iter().any(|v| *v != 0.0),
+            "H {h} I {i} {act} {quant}: all zeros"
+        );
+        assert!(
+            same_bits(&deep, &wide),
+            "H {h} I {i} {act} {quant}: the deep shape differs from the wide one"
+        );
+        println!("deep shape H {h} I {i} {act} {quant}: bitwise the wide shape's");
     }
 }
 

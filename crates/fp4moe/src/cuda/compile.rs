@@ -160,6 +160,7 @@ pub fn kernel_names(file: &str) -> Vec<String> {
                     names.push(format!("{base}_{shape}_n{nsub}"));
                 }
             }
+            names.push(format!("{base}_deep_n1"));
         }
     }
     if file == "expert_stream.cu" {
@@ -477,7 +478,7 @@ mod tests {
             let names = kernel_names(file);
             assert!(!names.is_empty(), "{file}");
             for n in &names {
-                let base = ["_narrow", "_wide", "_r"]
+                let base = ["_narrow", "_wide", "_deep", "_r"]
                     .iter()
                     .fold(n.as_str(), |b, cut| b.split(cut).next().unwrap_or(b));
                 assert!(src.contains(base), "{file} lacks {n}");
@@ -504,7 +505,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(kernel_names("expert_gemm.cu").len(), 36);
+        assert_eq!(kernel_names("expert_gemm.cu").len(), 42);
     }
 
     #[test]

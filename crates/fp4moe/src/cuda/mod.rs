@@ -559,6 +559,7 @@ pub struct CudaLayer {
     gemm_path: Option<GemmPath>,
     route_path: Option<RoutePath>,
     decode_kernel: Option<DecodeKernel>,
+    gemm_shape: Option<GemmShape>,
     prefill_feed: Option<PrefillFeed>,
     prefill_tile: Option<PrefillTile>,
     router_kernel: Option<RouterKernel>,
@@ -602,20 +603,36 @@ fn check_limits(spec: &MoeSpec) -> Result<()> {
     Ok(())
 }
 
-/// Block shapes of the decode GEMMs: row groups per block (the rest of the 16 warps split K).
+/// Block shapes of the mma decode GEMMs (`expert_gemm.cu`): row groups per block, the rest of
+/// the 16 warps split K. Every shape of a launch gives the same bits except narrow, which splits
+/// K another way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum GemmShape {
+pub enum GemmShape {
     /// 2 row groups x 8 K slices: four times the wide shape's blocks (the default up to 2
     /// tokens until run 131; since then only for a launch of one expert up to 2 tokens).
     Narrow,
     /// 8 row groups x 2 K slices: one activation staging per 128 weight rows.
     Wide,
+    /// One token subtile only (else wide): 8 row groups x 1 warp that runs both of the wide
+    /// shape's K slices into separate sums added as the wide block adds them (the same bits),
+    /// 8 warps per block and four blocks per SM (non-gated; two gated): twice the blocks
+    /// resident, so one block's start (its routing reads, activation staging and first weight
+    /// loads) overlaps three others' k loops, and no split-K exchange through shared memory.
+    /// Not measured; `FP4MOE_GEMM_SHAPE=deep`.
+    Deep,
 }
 
 impl GemmShape {
-    /// Warps per block: 16, or 8 for the 32-token variants (register budget).
-    fn warps(nsub: usize) -> usize {
-        if nsub == 4 {
+    /// The shape that runs `nsub` subtiles: the deep shape exists for one subtile only.
+    fn resolve(self, nsub: usize) -> Self {
+        match self {
+            GemmShape::Deep if nsub != 1 => GemmShape::Wide,
+            shape => shape,
+        }
+    }
+    /// Warps per block: 16, or 8 for the 32-token variants (register budget) and the deep shape.
+    fn warps(self, nsub: usize) -> usize {
+        if nsub == 4 || self.resolve(nsub) == GemmShape::Deep {
             8
         } else {
             16
@@ -623,17 +640,18 @@ impl GemmShape {
     }
     /// Row groups per block (`expert_gemm.cu`'s instantiations).
     fn rgpb(self, nsub: usize) -> usize {
-        match (self, nsub == 4) {
+        match (self.resolve(nsub), nsub == 4) {
             (GemmShape::Narrow, false) => 2,
             (GemmShape::Narrow, true) => 1,
-            (GemmShape::Wide, false) => 8,
-            (GemmShape::Wide, true) => 4,
+            (GemmShape::Wide | GemmShape::Deep, false) => 8,
+            (GemmShape::Wide | GemmShape::Deep, true) => 4,
         }
     }
-    fn name(self) -> &'static str {
-        match self {
+    fn name(self, nsub: usize) -> &'static str {
+        match self.resolve(nsub) {
             GemmShape::Narrow => "narrow",
             GemmShape::Wide => "wide",
+            GemmShape::Deep => "deep",
         }
     }
     /// The shape for `tokens` tokens over `slots` active experts: wide (since run 131), except
@@ -643,11 +661,18 @@ impl GemmShape {
     /// narrow / wide: run 131, 2 tokens, Nemotron-3 Nano 60.4 / 50.3, Qwen3-30B-A3B 52.4 /
     /// 41.5; one token with the mma kernels forced (runs 128, 132) Nemotron 37.9 / 35.0. Run 66
     /// had wide ahead from 3 tokens (4 tokens 89.8 against 104.3). bf16 weights are not measured
-    /// at 1–2 tokens. `FP4MOE_GEMM_SHAPE=narrow|wide` overrides it (a tuning knob for
+    /// at 1–2 tokens. `FP4MOE_GEMM_SHAPE=narrow|wide|deep` overrides it (a tuning knob for
     /// benchmarks).
-    fn chosen(tokens: usize, slots: usize) -> Self {
+    fn chosen(tokens: usize, slots: usize, forced: Option<Self>) -> Self {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
-        let choices = [("narrow", GemmShape::Narrow), ("wide", GemmShape::Wide)];
+        if let Some(shape) = forced {
+            return shape;
+        }
+        let choices = [
+            ("narrow", GemmShape::Narrow),
+            ("wide", GemmShape::Wide),
+            ("deep", GemmShape::Deep),
+        ];
         match tuning_choice(&KNOB, "FP4MOE_GEMM_SHAPE", &choices) {
             Some(shape) => shape,
             None if slots <= 1 && tokens <= 2 => GemmShape::Narrow,
@@ -1526,7 +1551,7 @@ impl StreamShape {
 fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
     let act = 8 * nsub * (pack::padded_k(k) + 8) * 2;
     let rgpb = shape.rgpb(nsub);
-    let ksplit = GemmShape::warps(nsub) / rgpb;
+    let ksplit = shape.warps(nsub) / rgpb;
     let red = (ksplit - 1) * rgpb * 32 * nsub * 4 * if gated { 2 } else { 1 } * 4;
     2048 + act.max(red)
 }
@@ -1596,6 +1621,7 @@ impl CudaLayer {
             gemm_path: None,
             route_path: None,
             decode_kernel: None,
+            gemm_shape: None,
             prefill_feed: None,
             prefill_tile: None,
             router_kernel: None,
@@ -1625,6 +1651,13 @@ impl CudaLayer {
     /// memory does not fit.
     pub fn set_decode_kernel(&mut self, kernel: Option<DecodeKernel>) {
         self.decode_kernel = kernel;
+    }
+
+    /// Forces the block shape of later forwards' mma decode GEMMs (`None`: `FP4MOE_GEMM_SHAPE`,
+    /// else the default rule). A shape without a kernel for the launch's token subtiles falls
+    /// back to the wide one.
+    pub fn set_gemm_shape(&mut self, shape: Option<GemmShape>) {
+        self.gemm_shape = shape;
     }
 
     /// Forces how later forwards' prefill tiles receive their activations (`None`: the default,
@@ -2199,9 +2232,9 @@ impl CudaLayer {
             };
             return self.launch_gemm(&format!("{stream}_r{}", sh.rb), cfg, params);
         }
-        let shape = GemmShape::chosen(tokens, slots);
+        let shape = GemmShape::chosen(tokens, slots, self.gemm_shape);
         let nsub = self.nsub(tokens, proj.k, gated, shape);
-        let kname = format!("{name}_{}_n{nsub}", shape.name());
+        let kname = format!("{name}_{}_n{nsub}", shape.name(nsub));
         let smem = gemm_smem(nsub, proj.k, gated, shape) as u32;
         if smem as usize > self.dev.max_shared_bytes {
             return Err(Error::Unsupported {
@@ -2214,7 +2247,7 @@ impl CudaLayer {
         }
         let cfg = LaunchConfig {
             grid_dim: (rg_out.div_ceil(shape.rgpb(nsub)) as u32, slots as u32, 1),
-            block_dim: ((GemmShape::warps(nsub) * 32) as u32, 1, 1),
+            block_dim: ((shape.warps(nsub) * 32) as u32, 1, 1),
             shared_mem_bytes: smem,
         };
         self.launch_gemm(&kname, cfg, params)
@@ -3129,12 +3162,28 @@ mod tests {
 
     #[test]
     fn gemm_shape_is_wide_but_for_one_expert_at_one_or_two_tokens() {
-        assert_eq!(GemmShape::chosen(1, 6), GemmShape::Wide);
-        assert_eq!(GemmShape::chosen(2, 16), GemmShape::Wide);
-        assert_eq!(GemmShape::chosen(100, 1), GemmShape::Wide);
-        assert_eq!(GemmShape::chosen(1, 1), GemmShape::Narrow);
-        assert_eq!(GemmShape::chosen(2, 1), GemmShape::Narrow);
-        assert_eq!(GemmShape::chosen(3, 1), GemmShape::Wide);
+        assert_eq!(GemmShape::chosen(1, 6, None), GemmShape::Wide);
+        assert_eq!(GemmShape::chosen(2, 16, None), GemmShape::Wide);
+        assert_eq!(GemmShape::chosen(100, 1, None), GemmShape::Wide);
+        assert_eq!(GemmShape::chosen(1, 1, None), GemmShape::Narrow);
+        assert_eq!(GemmShape::chosen(2, 1, None), GemmShape::Narrow);
+        assert_eq!(GemmShape::chosen(3, 1, None), GemmShape::Wide);
+        assert_eq!(
+            GemmShape::chosen(1, 1, Some(GemmShape::Deep)),
+            GemmShape::Deep
+        );
+        // The deep shape runs one subtile on 8 warps of one K slice each; more subtiles fall
+        // back to the wide kernels.
+        assert_eq!(GemmShape::Deep.name(1), "deep");
+        assert_eq!((GemmShape::Deep.warps(1), GemmShape::Deep.rgpb(1)), (8, 8));
+        assert_eq!(GemmShape::Deep.name(2), "wide");
+        assert_eq!((GemmShape::Deep.warps(2), GemmShape::Deep.rgpb(2)), (16, 8));
+        assert_eq!((GemmShape::Deep.warps(4), GemmShape::Deep.rgpb(4)), (8, 4));
+        // No split-K exchange: its shared memory is the table and the activation rows.
+        assert_eq!(
+            gemm_smem(1, 2688, true, GemmShape::Deep),
+            2048 + 8 * 2696 * 2
+        );
     }
 
     #[test]
