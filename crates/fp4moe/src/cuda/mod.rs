@@ -618,7 +618,8 @@ pub enum GemmShape {
     /// 8 warps per block and four blocks per SM (non-gated; two gated): twice the blocks
     /// resident, so one block's start (its routing reads, activation staging and first weight
     /// loads) overlaps three others' k loops, and no split-K exchange through shared memory.
-    /// Not measured; `FP4MOE_GEMM_SHAPE=deep`.
+    /// Each warp's chain is twice the wide one's, so it loses where the grid is about one wave
+    /// (see [`GemmShape::chosen`]).
     Deep,
 }
 
@@ -654,32 +655,82 @@ impl GemmShape {
             GemmShape::Deep => "deep",
         }
     }
-    /// The shape for `tokens` tokens over `slots` active experts: wide (since run 131), except
-    /// narrow for one expert up to 2 tokens (a shared or dense expert, or top-1 at one token),
-    /// where the wide grid would be a few blocks for the whole GPU (a shared expert of 3712
-    /// rows: 29) and which is not measured. Measured on the H200, NVFP4 weights, µs per layer,
-    /// narrow / wide: run 131, 2 tokens, Nemotron-3 Nano 60.4 / 50.3, Qwen3-30B-A3B 52.4 /
-    /// 41.5; one token with the mma kernels forced (runs 128, 132) Nemotron 37.9 / 35.0. Run 66
-    /// had wide ahead from 3 tokens (4 tokens 89.8 against 104.3). bf16 weights are not measured
-    /// at 1–2 tokens. `FP4MOE_GEMM_SHAPE=narrow|wide|deep` overrides it (a tuning knob for
-    /// benchmarks).
-    fn chosen(tokens: usize, slots: usize, forced: Option<Self>) -> Self {
+    /// The shape of an NVFP4 (`nvfp4`) or bf16 GEMM1 (`gemm1`) or GEMM2 of a gated or
+    /// non-gated layer (`gated`), `tokens` tokens over `slots` grid experts:
+    /// - one expert (a shared or dense expert, or top-1 at one token): narrow up to 2 tokens,
+    ///   where the wide grid would be a few blocks for the whole GPU (a shared expert of 3712
+    ///   rows: 29), else wide (run 131: 2 tokens narrow / wide, Nemotron-3 Nano 60.4 / 50.3,
+    ///   Qwen3-30B-A3B 52.4 / 41.5; one token, mma kernels forced, runs 128 and 132: 37.9 /
+    ///   35.0);
+    /// - routed NVFP4 experts: deep for both GEMMs of a gated layer from
+    ///   [`DEEP_GATED_FROM_TOKENS`] tokens and for GEMM2 of a non-gated one from
+    ///   [`DEEP_NONGATED_GEMM2_FROM_TOKENS`], else wide. Run 138 (H200, µs per layer, wide /
+    ///   deep both / deep GEMM1 only / deep GEMM2 only): Qwen3 4 tokens 57.1 / 53.3 / 54.4 /
+    ///   55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.4 / 125.8 / 131.8 / 134.6, 64 154.5 /
+    ///   144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block per SM, whose start
+    ///   nothing hides); Nemotron 6 tokens 79.2 / 82.6 / 79.3 / 82.3, 8 95.7 / 98.4 / 99.8 /
+    ///   94.5, 12 112.4 / 118.0 / 120.0 / 110.8, 32 177.8 / 173.8 / 177.7 / 173.4, 64 230.7 /
+    ///   231.4 / 230.7 / 230.0 (two wide blocks per SM already overlap; deep loses where its
+    ///   grid is little more than one wave); run 137: 2 tokens, deep both, Qwen3 43.4 against
+    ///   36.5, Nemotron 57.4 against 45.1 (less than a wave: each warp's chain doubles). bf16
+    ///   routed experts are not measured with the deep shape and stay wide.
+    ///
+    /// The deep shape exists for one token subtile and falls back to wide for more; it gives
+    /// the wide shape's bits, so this choice never changes results. `FP4MOE_GEMM_SHAPE=narrow|
+    /// wide|deep|deep1|deep2` overrides it (a tuning knob for benchmarks; deep1 / deep2: the
+    /// deep shape for GEMM1 / GEMM2 only).
+    fn chosen(
+        tokens: usize,
+        slots: usize,
+        forced: Option<Self>,
+        gemm1: bool,
+        gated: bool,
+        nvfp4: bool,
+    ) -> Self {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         if let Some(shape) = forced {
             return shape;
         }
-        let choices = [
-            ("narrow", GemmShape::Narrow),
-            ("wide", GemmShape::Wide),
-            ("deep", GemmShape::Deep),
-        ];
-        match tuning_choice(&KNOB, "FP4MOE_GEMM_SHAPE", &choices) {
-            Some(shape) => shape,
-            None if slots <= 1 && tokens <= 2 => GemmShape::Narrow,
-            None => GemmShape::Wide,
+        let deep_if = |yes: bool| {
+            if yes {
+                GemmShape::Deep
+            } else {
+                GemmShape::Wide
+            }
+        };
+        match tuning_knob(&KNOB, "FP4MOE_GEMM_SHAPE") {
+            Some("narrow") => GemmShape::Narrow,
+            Some("wide") => GemmShape::Wide,
+            Some("deep") => GemmShape::Deep,
+            Some("deep1") => deep_if(gemm1),
+            Some("deep2") => deep_if(!gemm1),
+            _ if slots <= 1 => {
+                if tokens <= 2 {
+                    GemmShape::Narrow
+                } else {
+                    GemmShape::Wide
+                }
+            }
+            _ => deep_if(
+                nvfp4
+                    && if gated {
+                        tokens >= DEEP_GATED_FROM_TOKENS
+                    } else {
+                        !gemm1 && tokens >= DEEP_NONGATED_GEMM2_FROM_TOKENS
+                    },
+            ),
         }
     }
 }
+
+/// Routed NVFP4 experts of a gated layer: both decode GEMMs take the deep shape from this many
+/// tokens (run 138: 4.8-11 % faster at 4-64 tokens on Qwen3-30B-A3B; run 137: 19 % slower at 2).
+pub const DEEP_GATED_FROM_TOKENS: usize = 4;
+
+/// Routed NVFP4 experts of a non-gated layer: GEMM2 takes the deep shape from this many tokens,
+/// GEMM1 stays wide (run 138, Nemotron-3 Nano: GEMM2 deep 1.3-2.5 % faster at 8-32 tokens,
+/// level at 48-64, 3.9 % slower at 6; GEMM1 deep level or slower, 7 % at 12).
+pub const DEEP_NONGATED_GEMM2_FROM_TOKENS: usize = 8;
 
 /// The value of a benchmark tuning variable, read once per process (into `cell`) so forwards
 /// neither take the environment lock nor allocate for it.
@@ -706,10 +757,13 @@ const SORT_ONE_BLOCK_MAX: usize = 2 * SORT_CHUNK;
 
 /// Largest token count routed by the fused `route_small` kernel by default. The fused kernel
 /// saves three launches but runs top-k, the sort and the input preparation of the whole batch
-/// in one block. Measured on the H200 (Nemotron shape, KERNEL_NOTES run 22, graph replays):
-/// at 1 token 1.0 µs faster (W4A16) and level (W4A4); at 2 tokens 0.7 µs faster (W4A16) but
-/// 0.6 µs slower (W4A4); slower from 4 (W4A4: 4.6 µs).
-pub const ROUTE_FUSED_MAX_TOKENS: usize = 1;
+/// in one block. Measured on the H200 (W4A16, µs per layer, fused / split, the split path's
+/// launches programmatic): run 138, Nemotron-3 Nano 2 tokens 43.9 / 45.4, 3 51.5 / 52.9, 4
+/// 67.6 / 65.8, 6 82.3 / 79.1; Qwen3-30B-A3B 2 35.4 / 36.6, 3 52.1 / 53.4, 4 55.5 / 57.0, 5
+/// 62.5 / 60.4. (Run 22, before `route_small`'s top-k and grouping were rebuilt and the split
+/// path's launches became programmatic, had it ahead at one token only.) One token takes
+/// `one_token` where it applies.
+pub const ROUTE_FUSED_MAX_TOKENS: usize = 3;
 
 /// Most warps of `route_small`'s top-k phase (one token each, looping beyond): bounds its
 /// shared scratch of `2·E + 64` floats per warp (69.6 KB at E = 512, about the sort's 67.5 KB).
@@ -2232,7 +2286,14 @@ impl CudaLayer {
             };
             return self.launch_gemm(&format!("{stream}_r{}", sh.rb), cfg, params);
         }
-        let shape = GemmShape::chosen(tokens, slots, self.gemm_shape);
+        let shape = GemmShape::chosen(
+            tokens,
+            slots,
+            self.gemm_shape,
+            name.starts_with("gemm1"),
+            self.spec.activation.is_gated(),
+            proj.nvfp4,
+        );
         let nsub = self.nsub(tokens, proj.k, gated, shape);
         let kname = format!("{name}_{}_n{nsub}", shape.name(nsub));
         let smem = gemm_smem(nsub, proj.k, gated, shape) as u32;
@@ -3161,16 +3222,44 @@ mod tests {
     }
 
     #[test]
-    fn gemm_shape_is_wide_but_for_one_expert_at_one_or_two_tokens() {
-        assert_eq!(GemmShape::chosen(1, 6, None), GemmShape::Wide);
-        assert_eq!(GemmShape::chosen(2, 16, None), GemmShape::Wide);
-        assert_eq!(GemmShape::chosen(100, 1, None), GemmShape::Wide);
-        assert_eq!(GemmShape::chosen(1, 1, None), GemmShape::Narrow);
-        assert_eq!(GemmShape::chosen(2, 1, None), GemmShape::Narrow);
-        assert_eq!(GemmShape::chosen(3, 1, None), GemmShape::Wide);
+    fn gemm_shape_follows_tokens_gemm_and_expert_kind() {
+        use GemmShape::{Deep, Narrow, Wide};
+        // (tokens, slots, GEMM1, gated layer, NVFP4)
+        let shape = |t, s, g1, gated, fp4| GemmShape::chosen(t, s, None, g1, gated, fp4);
+        // One expert: narrow up to 2 tokens, else wide, whatever the layer.
+        for (g1, gated, fp4) in [
+            (true, true, true),
+            (false, false, true),
+            (true, false, false),
+        ] {
+            assert_eq!(shape(1, 1, g1, gated, fp4), Narrow);
+            assert_eq!(shape(2, 1, g1, gated, fp4), Narrow);
+            assert_eq!(shape(3, 1, g1, gated, fp4), Wide);
+            assert_eq!(shape(100, 1, g1, gated, fp4), Wide);
+        }
+        // Gated routed NVFP4 experts: both GEMMs deep from DEEP_GATED_FROM_TOKENS.
+        let from = DEEP_GATED_FROM_TOKENS;
+        for g1 in [true, false] {
+            assert_eq!(shape(1, 8, g1, true, true), Wide);
+            assert_eq!(shape(from - 1, 8 * (from - 1), g1, true, true), Wide);
+            assert_eq!(shape(from, 8 * from, g1, true, true), Deep);
+            assert_eq!(shape(64, 128, g1, true, true), Deep);
+            // bf16 routed experts: not measured deep.
+            assert_eq!(shape(64, 128, g1, true, false), Wide);
+        }
+        // Non-gated: GEMM2 deep from DEEP_NONGATED_GEMM2_FROM_TOKENS, GEMM1 wide.
+        let from = DEEP_NONGATED_GEMM2_FROM_TOKENS;
+        assert_eq!(shape(from - 1, 6 * (from - 1), false, false, true), Wide);
+        assert_eq!(shape(from, 6 * from, false, false, true), Deep);
+        assert_eq!(shape(64, 128, false, false, true), Deep);
+        assert_eq!(shape(from, 6 * from, true, false, true), Wide);
+        assert_eq!(shape(64, 128, true, false, true), Wide);
+        assert_eq!(shape(64, 128, false, false, false), Wide);
+        // A shape forced on the layer wins.
+        assert_eq!(GemmShape::chosen(1, 1, Some(Deep), true, false, true), Deep);
         assert_eq!(
-            GemmShape::chosen(1, 1, Some(GemmShape::Deep)),
-            GemmShape::Deep
+            GemmShape::chosen(64, 128, Some(Wide), true, true, true),
+            Wide
         );
         // The deep shape runs one subtile on 8 warps of one K slice each; more subtiles fall
         // back to the wide kernels.
