@@ -619,7 +619,7 @@ pub enum GemmShape {
     /// resident, so one block's start (its routing reads, activation staging and first weight
     /// loads) overlaps three others' k loops, and no split-K exchange through shared memory.
     /// Each warp's chain is twice the wide one's, so it loses where the grid is about one wave
-    /// (see [`GemmShape::chosen`]).
+    /// (the default rule: [`DEEP_GATED_FROM_TOKENS`], [`DEEP_NONGATED_GEMM2_FROM_TOKENS`]).
     Deep,
 }
 
