@@ -2306,6 +2306,17 @@ impl CudaLayer {
                 ),
             });
         }
+        // The kernels stage activation rows by 16-byte cp.async: every row must start 16-byte
+        // aligned (the spec's multiples of 16 and buffers that start allocations make it so).
+        if params.act % 16 != 0 || params.k % 8 != 0 {
+            return Err(Error::Cuda {
+                stage: "expert GEMMs",
+                message: format!(
+                    "internal: {kname} needs 16-byte aligned activation rows (K = {})",
+                    params.k
+                ),
+            });
+        }
         let cfg = LaunchConfig {
             grid_dim: (rg_out.div_ceil(shape.rgpb(nsub)) as u32, slots as u32, 1),
             block_dim: ((shape.warps(nsub) * 32) as u32, 1, 1),
