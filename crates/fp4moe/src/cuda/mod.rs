@@ -665,20 +665,22 @@ impl GemmShape {
     /// - routed NVFP4 experts: deep for both GEMMs of a gated layer from
     ///   [`DEEP_GATED_FROM_TOKENS`] tokens and for GEMM2 of a non-gated one from
     ///   [`DEEP_NONGATED_GEMM2_FROM_TOKENS`], else wide. Run 138 (H200, µs per layer, wide /
-    ///   deep both / deep GEMM1 only / deep GEMM2 only): Qwen3 4 tokens 57.1 / 53.3 / 54.4 /
-    ///   55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.4 / 125.8 / 131.8 / 134.6, 64 154.5 /
-    ///   144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block per SM, whose start
-    ///   nothing hides); Nemotron 6 tokens 79.2 / 82.6 / 79.3 / 82.3, 8 95.7 / 98.4 / 99.8 /
-    ///   94.5, 12 112.4 / 118.0 / 120.0 / 110.8, 32 177.8 / 173.8 / 177.7 / 173.4, 64 230.7 /
-    ///   231.4 / 230.7 / 230.0 (two wide blocks per SM already overlap; deep loses where its
-    ///   grid is little more than one wave); run 137: 2 tokens, deep both, Qwen3 43.4 against
-    ///   36.5, Nemotron 57.4 against 45.1 (less than a wave: each warp's chain doubles). bf16
-    ///   routed experts are not measured with the deep shape and stay wide.
+    ///   deep both / deep GEMM1 only / deep GEMM2 only; wide the mean of two rounds): Qwen3 4
+    ///   tokens 57.0 / 53.3 / 54.4 / 55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.3 / 125.8 /
+    ///   131.8 / 134.6, 64 154.4 / 144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block
+    ///   per SM, whose start nothing hides); Nemotron 6 tokens 79.2 / 82.6 / 79.3 / 82.3, 8
+    ///   95.7 / 98.4 / 99.8 / 94.5, 12 112.3 / 118.0 / 120.0 / 110.8, 32 177.8 / 173.8 / 177.7
+    ///   / 173.4, 64 230.7 / 231.4 / 230.7 / 230.0 (two wide blocks per SM already overlap;
+    ///   deep loses where its grid is little more than one wave); run 137: 2 tokens, deep both,
+    ///   Qwen3 43.4 against 36.5, Nemotron 57.4 against 45.2 (less than a wave: each warp's
+    ///   chain doubles). bf16 routed experts are not measured with the deep shape and stay
+    ///   wide.
     ///
     /// The deep shape exists for one token subtile and falls back to wide for more; it gives
     /// the wide shape's bits, so this choice never changes results. `FP4MOE_GEMM_SHAPE=narrow|
-    /// wide|deep|deep1|deep2` overrides it (a tuning knob for benchmarks; deep1 / deep2: the
-    /// deep shape for GEMM1 / GEMM2 only).
+    /// wide|deep|deep1|deep2` overrides it for every launch, one expert and bf16 weights
+    /// included (a tuning knob for benchmarks; deep1 / deep2: the deep shape for GEMM1 / GEMM2
+    /// only).
     fn chosen(
         tokens: usize,
         slots: usize,
