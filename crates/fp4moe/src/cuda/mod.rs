@@ -1914,10 +1914,10 @@ impl CudaLayer {
         })
     }
 
-    /// A routing-path kernel (`routing.cu`, `sort_pairs.cu`, `prepare_input.cu`,
-    /// `route_small.cu`), as a dependent launch: each of their kernels starts with
-    /// `pdl_enter()` (test `routing_kernels_wait_first`); any other kernel goes through
-    /// [`Self::launch_serialized`] or waits first too.
+    /// A kernel that waits for its predecessor before anything else, as a dependent launch:
+    /// the routing path's (`routing.cu`, `sort_pairs.cu`, `prepare_input.cu`, `route_small.cu`
+    /// start with `pdl_enter()`, test `routing_kernels_wait_first`) and `combine` (`pdl_wait()`
+    /// first); any other kernel goes through [`Self::launch_serialized`].
     fn launch(
         &self,
         name: &str,
@@ -2960,17 +2960,10 @@ impl CudaLayer {
         let (o, y) = (p2.o_out, ptr(&ws.out, st));
         let (tt, kk) = (t as i32, k as i32);
         let cfg = combine_launch(t, h);
-        let mut args: [*mut c_void; 6] = [
-            &o as *const u64 as *mut c_void,
-            &sh_o as *const u64 as *mut c_void,
-            &y as *const u64 as *mut c_void,
-            &tt as *const i32 as *mut c_void,
-            &kk as *const i32 as *mut c_void,
-            &hid as *const i32 as *mut c_void,
-        ];
-        // SAFETY: `combine(const bf16*, const bf16*, float*, int, int, int)`: three device
-        // pointers and three ints, in this order, each pointed to by `args` for the call.
-        unsafe { self.launch_ex("combine", cfg, 1, self.dev.pdl, &mut args) }
+        // `combine(const bf16*, const bf16*, float*, int, int, int)`.
+        self.launch("combine", cfg, |b| {
+            b.arg(&o).arg(&sh_o).arg(&y).arg(&tt).arg(&kk).arg(&hid);
+        })
     }
 
     /// The whole layer on the device: routing (from `logits` or the router weight) and experts,
