@@ -128,7 +128,9 @@ __device__ __forceinline__ float apply_activation(int act, float h, float up) {
 // read (or anything it reads be written) before it. pdl_launch_dependents() lets the next kernel
 // start once every block of this one has called it (or exited); every kernel launched so (the
 // routing kernels, each GEMM and the combine) calls it right after its wait, so a successor never
-// starts before this kernel's predecessor is done.
+// starts before this kernel's predecessor is done. (The routed decode GEMM2 on the expert-ready
+// handoff waits per expert instead, and one of its threads calls pdl_wait before exiting, which
+// keeps the chain: expert_gemm.cu.)
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -186,6 +188,13 @@ __device__ __forceinline__ uint4 bf16x8_bits(const float (&v)[8]) {
 
 __device__ __forceinline__ __nv_bfloat162 bits_bf16x2(u32 v) {
     return *reinterpret_cast<__nv_bfloat162*>(&v);
+}
+
+// The global nanosecond timer (spin timeouts, traces).
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
 
 // Read-only, not-L1-allocating loads for streamed weights. `volatile`: a non-volatile asm load

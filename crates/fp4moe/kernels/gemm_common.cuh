@@ -28,6 +28,7 @@ struct GemmParams {
     __nv_bfloat16* g_out;
     const float* topk_w;
     __nv_bfloat16* o_out;  // GEMM2: each pair's weighted output, rounded once to bf16
+    int* ready;      // null, or [2·experts] counters of the expert-ready handoff (expert_gemm.cu)
     int rg_out;      // output row groups: I/16 (GEMM1) or H/16 (GEMM2)
     int rg_w;        // weight row groups per expert
     int kg;          // 64-wide k groups (padded K / 64)
@@ -40,6 +41,8 @@ struct GemmParams {
     float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
     int tile_rows;   // expert_stream.cu: activation rows per pass (the rows its shared memory holds)
     int experts;     // experts `offsets` covers (offsets[0] .. offsets[experts]; prefill_gemm.cu's find_tile)
+    int wait_blocks; // GEMM2: > 0 waits for this many GEMM1 blocks per expert on `ready` instead of pdl_wait
+    int pad_;
 };
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }

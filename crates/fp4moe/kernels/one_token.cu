@@ -96,12 +96,6 @@ struct OneTokenParams {
 // context unusable, instead of hanging forever. A legitimate wait is a few microseconds.
 #define OT_BARRIER_TIMEOUT_NS 2000000000ull
 
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // Thread 0's timestamp of phase point i, when tracing.
 __device__ __forceinline__ void trace_point(unsigned long long* trace, int i) {
     if (trace && threadIdx.x == 0) trace[blockIdx.x * OT_TRACE_POINTS + i] = global_ns();

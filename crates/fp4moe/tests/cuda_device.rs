@@ -837,6 +837,58 @@ fn deep_decode_shape_matches_wide_bitwise() {
     }
 }
 
+/// The expert-ready handoff between the routed decode GEMMs (each GEMM2 block waits for its own
+/// expert's GEMM1 blocks instead of all of GEMM1) gives the bits of the full wait, and its
+/// counters are back at zero after every forward: one workspace runs four forwards (a counter
+/// left behind would make the next GEMM2 wait for a count it never reaches and trap). Gated and
+/// not, W4A16 and W4A4, both block shapes, 2 to 40 tokens over 16 experts top-4, H not a
+/// multiple of 128 and I = 1856.
+#[test]
+fn expert_handoff_matches_the_full_wait_bitwise() {
+    if !common::gpu_available() {
+        return;
+    }
+    for (h, i, act, quant) in [
+        (2688, 1856, Activation::Relu2NoMul, QuantMode::W4A16),
+        (2688, 1856, Activation::Silu, W4A4),
+        (2880, 384, Activation::Silu, QuantMode::W4A16),
+        (192, 64, Activation::Relu2NoMul, W4A4),
+    ] {
+        let s = spec(h, i, 16, 4, act, quant);
+        let x = random_tokens(40, h, 8300 + h as u64);
+        let w = with_scales(&s, random_weights(&s, 8301).unwrap(), &x);
+        let logits = router_logits(&x, w.router.as_ref().unwrap(), h, 16);
+        let mut layer = CudaLayer::new(&s, &w).unwrap();
+        layer.set_gemm_path(Some(GemmPath::Decode));
+        layer.set_decode_kernel(Some(DecodeKernel::Mma));
+        let st = layer.stream().clone();
+        for shape in [GemmShape::Wide, GemmShape::Deep] {
+            layer.set_gemm_shape(Some(shape));
+            for t in [2, 9, 40] {
+                let (xt, lt) = (&x[..t * h], &logits[..t * 16]);
+                layer.set_expert_handoff(Some(false));
+                let (want, _) = run_device(&layer, xt, lt);
+                assert!(want.iter().any(|v| *v != 0.0), "all zeros");
+                layer.set_expert_handoff(Some(true));
+                // It runs wherever the device launches programmatic dependents (sm_90).
+                assert_eq!(layer.expert_handoff_applies(t), layer.device().pdl);
+                let mut ws = layer.workspace(t).unwrap();
+                let l = st.clone_htod(lt).unwrap();
+                for round in 0..4 {
+                    st.memcpy_htod(xt, &mut ws.x).unwrap();
+                    layer.forward_device(&mut ws, Some(&l)).unwrap();
+                    let got = st.clone_dtoh(&ws.out).unwrap();
+                    assert!(
+                        same_bits(&got, &want),
+                        "H {h} I {i} {act} {quant} {shape:?} T {t} forward {round}: the handoff differs from the full wait"
+                    );
+                }
+            }
+        }
+        println!("expert handoff H {h} I {i} {act} {quant}: bitwise the full wait's, four forwards per workspace");
+    }
+}
+
 /// The streaming decode GEMMs (`expert_stream.cu`, 1, 2 and 4 row-group units per block)
 /// against the mma ones on the same routing, and batch invariance: a token's bits do not depend on its batch (1, 7 or 40 tokens; 40
 /// tokens over 16 experts top-4 puts 10 on an expert, two 8-token passes). K = 2880 (45 k

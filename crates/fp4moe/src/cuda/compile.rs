@@ -244,14 +244,37 @@ pub fn nvrtc_version() -> Result<(i32, i32), String> {
     Ok((major, minor))
 }
 
+/// Extra kernel `#define`s for experiments, from `FP4MOE_DEFINES` (`NAME=VALUE` or `NAME`,
+/// separated by `+`, `,` or `;`): one binary times kernel variants (gpu-ab.sh's `BIN@FP4MOE_DEFINES=…`).
+/// They enter the cache key with the other options.
+fn extra_defines() -> Vec<String> {
+    let Some(defs) = std::env::var("FP4MOE_DEFINES")
+        .ok()
+        .filter(|d| !d.trim().is_empty())
+    else {
+        return Vec::new();
+    };
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED
+        .call_once(|| eprintln!("FP4MOE_DEFINES={defs}: kernels built with experimental defines"));
+    defs.split(['+', ',', ';'])
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| format!("-D{d}"))
+        .collect()
+}
+
 fn options(arch: &str, include: &std::path::Path) -> Vec<String> {
-    vec![
+    let mut opts = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".into(),
         "-lineinfo".into(),
         "--ptxas-options=-v".into(),
-        format!("--include-path={}", include.display()),
-    ]
+    ];
+    opts.extend(extra_defines());
+    // Last: the cache key leaves the include path out (the same kernels on every machine).
+    opts.push(format!("--include-path={}", include.display()));
+    opts
 }
 
 /// Compiles one kernel file for `arch` (e.g. `sm_90a`, `sm_80`), using the disk cache.

@@ -223,6 +223,8 @@ struct GemmParams {
     g_out: u64,
     topk_w: u64,
     o_out: u64,
+    /// 0, or `[2·experts]` counters of the expert-ready handoff (`CudaWorkspace::gemm_ready`).
+    ready: u64,
     rg_out: i32,
     rg_w: i32,
     kg: i32,
@@ -235,10 +237,13 @@ struct GemmParams {
     gs_out: f32,
     tile_rows: i32,
     experts: i32,
+    /// GEMM2 of the expert-ready handoff: GEMM1's blocks per expert (0: `pdl_wait`).
+    wait_blocks: i32,
+    pad_: i32,
 }
 
 // SAFETY: `GemmParams` is `repr(C)`, plain old data, and mirrors the kernel's parameter struct
-// field for field (11 pointers, 8 ints, 2 floats, 2 ints; no implicit padding).
+// field for field (12 pointers, 8 ints, 2 floats, 4 ints; no implicit padding).
 unsafe impl DeviceRepr for GemmParams {}
 
 /// Device pointers of a token grouping by expert (`sort_pairs.cu`'s outputs, or the shared
@@ -507,6 +512,9 @@ pub struct CudaWorkspace {
     sh_ones: CudaSlice<f32>,
     sh_g: CudaSlice<u16>,
     sh_o: CudaSlice<u16>,
+    /// `[2·E]`: the routed decode GEMMs' expert-ready counters (expert_gemm.cu), zero between
+    /// forwards.
+    gemm_ready: CudaSlice<i32>,
 }
 
 /// The expert grouping of a forward: what the GEMMs iterate over.
@@ -560,6 +568,7 @@ pub struct CudaLayer {
     route_path: Option<RoutePath>,
     decode_kernel: Option<DecodeKernel>,
     gemm_shape: Option<GemmShape>,
+    expert_handoff: Option<bool>,
     prefill_feed: Option<PrefillFeed>,
     prefill_tile: Option<PrefillTile>,
     router_kernel: Option<RouterKernel>,
@@ -1678,6 +1687,7 @@ impl CudaLayer {
             route_path: None,
             decode_kernel: None,
             gemm_shape: None,
+            expert_handoff: None,
             prefill_feed: None,
             prefill_tile: None,
             router_kernel: None,
@@ -1714,6 +1724,50 @@ impl CudaLayer {
     /// back to the wide one.
     pub fn set_gemm_shape(&mut self, shape: Option<GemmShape>) {
         self.gemm_shape = shape;
+    }
+
+    /// Forces the expert-ready handoff between the routed decode GEMMs on or off (`None`:
+    /// `FP4MOE_EXPERT_HANDOFF=0|1`, else on). It applies where both routed GEMMs run
+    /// `expert_gemm.cu`'s kernels as programmatic launches (sm_90): each GEMM2 block waits for
+    /// its own expert's GEMM1 blocks instead of all of GEMM1. Results are the same bits.
+    pub fn set_expert_handoff(&mut self, on: Option<bool>) {
+        self.expert_handoff = on;
+    }
+
+    /// Whether a forward of `tokens` tokens runs the expert-ready handoff between its routed
+    /// GEMMs ([`Self::set_expert_handoff`]): on where the routed GEMMs take the decode path on
+    /// `expert_gemm.cu`'s kernels and the device launches programmatic dependents (sm_90).
+    pub fn expert_handoff_applies(&self, tokens: usize) -> bool {
+        let (e, k) = (self.spec.shape.experts, self.spec.routing.top_k);
+        let nvfp4 = self.w13.nvfp4 || self.w2.nvfp4;
+        // bf16 experts always take the decode kernels; one token may be one launch instead.
+        let decode = !nvfp4 || self.path_for(tokens * k, e) == GemmPath::Decode;
+        tokens > 0
+            && decode
+            && !self.one_token_applies(tokens)
+            && self.expert_handoff_for(tokens, nvfp4)
+    }
+
+    /// Whether a forward of `tokens` tokens hands GEMM1's rows to GEMM2 per expert: the routed
+    /// GEMMs both on the mma decode kernels (neither streams), launched as dependents, and the
+    /// whole layer timed (a graph prefix that stops after GEMM1 would leave counters behind).
+    fn expert_handoff_for(&self, tokens: usize, nvfp4_weights: bool) -> bool {
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        let on = self
+            .expert_handoff
+            .or_else(|| tuning_choice(&KNOB, "FP4MOE_EXPERT_HANDOFF", &[("0", false), ("1", true)]))
+            .unwrap_or(true);
+        on && self.dev.pdl
+            && !self.stops_after(2)
+            && (!nvfp4_weights || self.decode_kernel_for(tokens) == DecodeKernel::Mma)
+    }
+
+    /// The decode kernel family of a forward of `tokens` tokens: forced (layer, then
+    /// `FP4MOE_DECODE_KERNEL`), else [`DecodeKernel::for_tokens`].
+    fn decode_kernel_for(&self, tokens: usize) -> DecodeKernel {
+        self.decode_kernel
+            .or_else(DecodeKernel::from_env)
+            .unwrap_or(DecodeKernel::for_tokens(tokens))
     }
 
     /// Forces how later forwards' prefill tiles receive their activations (`None`: the default,
@@ -1837,6 +1891,7 @@ impl CudaLayer {
             + one_token::sync_len(h / 16, e)
             + tokens
             + 2 * tokens
+            + 2 * e
             // sh_offsets, sh_active, sh_num, and the trace's minimum of one u64.
             + 5)
             + 2 * (2 * tokens * h + 2 * p * h + tokens * h + p * i + tokens * w)
@@ -1911,6 +1966,7 @@ impl CudaLayer {
                 .map_err(driver_err("workspace allocation"))?,
             sh_g: b16(tokens * w)?,
             sh_o: b16(if has_shared { tokens * h } else { 0 })?,
+            gemm_ready: i32s(2 * e)?,
         })
     }
 
@@ -1965,8 +2021,9 @@ impl CudaLayer {
     /// Launches kernel `name`, with programmatic stream serialization when `pdl` (pass
     /// `self.dev.pdl`: sm_90+, unless `FP4MOE_PDL=0`): it may start while the previous kernel
     /// of the stream finishes and waits for it in `pdl_wait()` (common.cuh), which every kernel
-    /// launched so calls before touching its predecessor's outputs. Captured graphs keep the
-    /// programmatic edge.
+    /// launched so calls before touching its predecessor's outputs (the routed decode GEMM2 on
+    /// the expert-ready handoff waits for its expert's GEMM1 blocks instead: expert_gemm.cu).
+    /// Captured graphs keep the programmatic edge.
     ///
     /// `cluster` > 1 launches clusters of that many blocks along x (grid x a multiple of it).
     ///
@@ -2252,7 +2309,8 @@ impl CudaLayer {
     }
 
     /// One decode GEMM: `stream` (the `expert_stream.cu` kernel family of an NVFP4 projection)
-    /// where chosen and its shared memory fits, else `expert_gemm.cu`'s `name`.
+    /// where chosen and its shared memory fits, else `expert_gemm.cu`'s `name`. Returns the
+    /// mma kernel's blocks per expert (grid x), 0 for a streaming kernel.
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
@@ -2264,12 +2322,9 @@ impl CudaLayer {
         slots: usize,
         tokens: usize,
         one_token_slots: usize,
-    ) -> Result<()> {
+    ) -> Result<u32> {
         let gated = name.contains("gated");
-        let kernel = self
-            .decode_kernel
-            .or_else(DecodeKernel::from_env)
-            .unwrap_or(DecodeKernel::for_tokens(tokens));
+        let kernel = self.decode_kernel_for(tokens);
         let streaming = match (stream, kernel) {
             (Some(stream), DecodeKernel::Stream) => self
                 .stream_shape(stream, proj, gated, rg_out, tokens, one_token_slots)
@@ -2286,7 +2341,9 @@ impl CudaLayer {
                 tile_rows: tokens.clamp(1, STREAM_TILE) as i32,
                 ..params
             };
-            return self.launch_gemm(&format!("{stream}_r{}", sh.rb), cfg, params);
+            return self
+                .launch_gemm(&format!("{stream}_r{}", sh.rb), cfg, params)
+                .map(|()| 0);
         }
         let shape = GemmShape::chosen(
             tokens,
@@ -2319,12 +2376,13 @@ impl CudaLayer {
                 ),
             });
         }
+        let blocks = rg_out.div_ceil(shape.rgpb(nsub)) as u32;
         let cfg = LaunchConfig {
-            grid_dim: (rg_out.div_ceil(shape.rgpb(nsub)) as u32, slots as u32, 1),
+            grid_dim: (blocks, slots as u32, 1),
             block_dim: ((shape.warps(nsub) * 32) as u32, 1, 1),
             shared_mem_bytes: smem,
         };
-        self.launch_gemm(&kname, cfg, params)
+        self.launch_gemm(&kname, cfg, params).map(|()| blocks)
     }
 
     /// The streaming launch shape for `tokens` tokens, or `None` when it does not fit. Units per
@@ -2542,6 +2600,15 @@ impl CudaLayer {
                 });
             }
         }
+        // The expert-ready handoff (expert_gemm.cu) between routed decode GEMMs; elsewhere no
+        // kernel touches the counters.
+        let handoff = routed
+            && !prefill1
+            && !prefill2
+            && p1.ready != 0
+            && self.expert_handoff_for(tokens, w13.nvfp4 || w2.nvfp4);
+        let ready = if handoff { p1.ready } else { 0 };
+        let (p1, p2) = (GemmParams { ready, ..p1 }, GemmParams { ready, ..p2 });
         // Both grids are checked before either GEMM launches (the tiles may differ).
         if prefill1 {
             prefill_token_tiles(tile1, pairs, slots)?;
@@ -2549,7 +2616,7 @@ impl CudaLayer {
         if prefill2 {
             prefill_token_tiles(tile2, pairs, slots)?;
         }
-        if prefill1 {
+        let blocks1 = if prefill1 {
             let gemm = gemm1;
             // The routed operand's rows in sorted order; the shared expert's already are.
             let mut rows = SortedRows {
@@ -2564,6 +2631,7 @@ impl CudaLayer {
                 rows.ptr = dst;
             }
             self.prefill_gemm(gemm, tile1, feed1, rows, p1, rg1, pairs, slots)?;
+            0
         } else {
             let name = format!(
                 "gemm1_{}_{}",
@@ -2575,8 +2643,8 @@ impl CudaLayer {
                 (true, true) => Some("stream_gemm1_gated"),
                 (true, false) => Some("stream_gemm1_plain"),
             };
-            self.gemm(&name, stream, w13, p1, rg1, slots, tokens, one_token_slots)?;
-        }
+            self.gemm(&name, stream, w13, p1, rg1, slots, tokens, one_token_slots)?
+        };
         if routed && self.stops_after(2) {
             return Ok(());
         }
@@ -2600,7 +2668,23 @@ impl CudaLayer {
         } else {
             let stream = w2.nvfp4.then_some("stream_gemm2");
             let name = format!("gemm2_{}", kind(w2));
-            self.gemm(&name, stream, w2, p2, rg2, slots, tokens, one_token_slots)
+            // GEMM1 signalled per expert only if it ran expert_gemm.cu's kernels (blocks1 > 0),
+            // which the handoff's rule makes so.
+            let p2 = GemmParams {
+                wait_blocks: if ready != 0 { blocks1 as i32 } else { 0 },
+                ready: if blocks1 > 0 { ready } else { 0 },
+                ..p2
+            };
+            let launched = self.gemm(&name, stream, w2, p2, rg2, slots, tokens, one_token_slots);
+            if launched.is_err() && ready != 0 && blocks1 > 0 {
+                // GEMM1 counted its blocks and no GEMM2 will zero the counters: zero them here
+                // so the next forward's GEMM2 does not wait for counts it never reaches.
+                let n = 2 * p1.experts.max(0) as usize;
+                // SAFETY: `ready` is the workspace's `gemm_ready` buffer of 2·E i32 (p1.experts
+                // = E for routed GEMMs), on this stream.
+                let _ = unsafe { dsys::cuMemsetD32Async(ready, 0, n, self.dev.stream.cu_stream()) };
+            }
+            launched.map(|_| ())
         }
     }
 
@@ -2873,8 +2957,10 @@ impl CudaLayer {
         let (h, i, k) = (s.shape.hidden, s.shape.intermediate, s.routing.top_k);
         let grouping = self.grouping(ws);
         let (g, o, tw) = (ptr(&ws.g, st), ptr(&ws.o, st), ptr(&ws.weights, st));
+        let ready = ptr(&ws.gemm_ready, st);
         let p1 = GemmParams {
             act: ptr(&ws.a, st),
+            ready,
             g_out: g,
             rg_out: (i / 16) as i32,
             top_k: k as i32,
@@ -2887,6 +2973,7 @@ impl CudaLayer {
             act: g,
             topk_w: tw,
             o_out: o,
+            ready,
             rg_out: (h / 16) as i32,
             top_k: 0,
             out_stride: h as i32,
@@ -3518,10 +3605,10 @@ mod tests {
     }
 
     /// `GemmParams` mirrors gemm_common.cuh's struct: the same scalar fields in the same order
-    /// after the 11 pointers, and no padding.
+    /// after the 12 pointers, and no padding.
     #[test]
     fn gemm_parameters_match_the_kernel() {
-        assert_eq!(std::mem::size_of::<GemmParams>(), 11 * 8 + 12 * 4);
+        assert_eq!(std::mem::size_of::<GemmParams>(), 12 * 8 + 14 * 4);
         let body = compile::kernel_text("gemm_common.cuh")
             .split("struct GemmParams {")
             .nth(1)
@@ -3549,9 +3636,11 @@ mod tests {
             "gs_out",
             "tile_rows",
             "experts",
+            "wait_blocks",
+            "pad_",
         ];
         assert_eq!(scalars, want);
-        assert_eq!(body.matches('*').count(), 11);
+        assert_eq!(body.matches('*').count(), 12);
         // find_tile sizes its per-thread expert slices for the host's limit.
         assert_eq!(
             compile::kernel_define("prefill_gemm.cu", "PF_MAX_EXPERTS"),

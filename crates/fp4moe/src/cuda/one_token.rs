@@ -445,10 +445,10 @@ mod tests {
         assert!(teams(false).max(teams(true)) * OT_MAX_GROUPS <= 32);
         assert!(bars % 8 == 0 && bars + 64 * 8 <= OT_HDR_BYTES);
         assert_eq!(OT_HDR_BYTES % 16, 0);
-        assert_eq!(std::mem::size_of::<GemmParams>(), 136);
+        assert_eq!(std::mem::size_of::<GemmParams>(), 152);
         assert_eq!(
             std::mem::size_of::<OneTokenParams>(),
-            2 * 136 + 8 * 8 + 16 * 4 + 8
+            2 * 152 + 8 * 8 + 16 * 4 + 8
         );
         // Field order: the kernel's struct declares the same names in the same order.
         let src = kernel_text("one_token.cu");
