@@ -2,8 +2,8 @@
 # One device call: every staged test with FP4MOE_REQUIRE_GPU=1, compute-sanitizer on the small
 # GPU tests, an ncu kernel-time breakdown, `fp4moe bench` for both presets and modes, and the
 # PyTorch bf16 peer on the same presets. Run from the repo root on the GPU machine after
-# ../shared/tools/gpu-stage. Logs go to $OUT/logs/ as they are written (a run cut short by the
-# time limit still returns them), benchmark JSON beside them.
+# ../shared/tools/gpu-stage. Logs go to $OUT/logs/ as they are written, benchmark JSON beside
+# them, and come back as $OUT/logs.tgz (also from a run cut short by the time limit).
 # usage: bash scripts/gpu-run.sh [tests] [prefill-tests] [sanitizer] [ncu] [detail] [stalls] [sass] [shapes] [paths] [tiles] [decode] [routes] [bench] [torch]
 # (default: all but prefill-tests, which tests covers, and routes)
 # NCU_TOKENS (default "1 64 256") picks the ncu batch sizes, BENCH_MODES (default "w4a16 w4a4")
@@ -11,6 +11,10 @@
 set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 L="$OUT/logs"; mkdir -p "$L"
+# The device returns at most 8 files per call (run 141 lost its stall reports and --stages
+# benches): everything goes back as one archive, also when the call's time limit stops it; ncu
+# reports (several MB, for the GUI) stay loose files beside it.
+trap 'tar czf "$OUT/logs.tgz" --exclude="*.ncu-rep" -C "$OUT" logs && find "$L" -name "*.ncu-rep" -exec mv {} "$OUT"/ \; && rm -rf "$L"' EXIT
 steps="${*:-tests sanitizer ncu detail shapes paths bench torch}"
 has() { case " $steps " in *" $1 "*) return 0;; esac; return 1; }
 export FP4MOE_REQUIRE_GPU=1 FP4MOE_GOLDEN_DIR="$PWD/.gpu/golden" FP4MOE_CACHE_DIR=/tmp/fp4moe-cache RUST_BACKTRACE=1
