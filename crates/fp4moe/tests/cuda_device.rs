@@ -198,6 +198,25 @@ fn run_device(layer: &CudaLayer, x: &[f32], logits: &[f32]) -> (Vec<f32>, Vec<i3
     )
 }
 
+/// A layer of `s` on the mma decode kernels (decode path forced), its weights (from `w_seed`,
+/// scales calibrated on the tokens), `tokens` tokens drawn from `x_seed`, and the router's
+/// logits for them.
+fn mma_decode_layer(
+    s: &MoeSpec,
+    tokens: usize,
+    x_seed: u64,
+    w_seed: u64,
+) -> (CudaLayer, MoeWeights, Vec<f32>, Vec<f32>) {
+    let (h, e) = (s.shape.hidden, s.shape.experts);
+    let x = random_tokens(tokens, h, x_seed);
+    let w = with_scales(s, random_weights(s, w_seed).unwrap(), &x);
+    let logits = router_logits(&x, w.router.as_ref().unwrap(), h, e);
+    let mut layer = CudaLayer::new(s, &w).unwrap();
+    layer.set_gemm_path(Some(GemmPath::Decode));
+    layer.set_decode_kernel(Some(DecodeKernel::Mma));
+    (layer, w, x, logits)
+}
+
 /// The prefill GEMMs against the decode GEMMs (same layer, same routing) and a sample of tokens
 /// against the reference backend; `skew`: expert 5 gets at least half of the tokens.
 fn check_prefill(spec: MoeSpec, tokens: usize, seed: u64, skew: bool) {
@@ -773,12 +792,7 @@ fn decode_token_subtiles_agree_bitwise() {
         (Activation::Silu, W4A4),
     ] {
         let s = spec(1024, 512, 16, 4, act, quant);
-        let x = random_tokens(100, 1024, 8100);
-        let w = with_scales(&s, random_weights(&s, 8101).unwrap(), &x);
-        let logits = router_logits(&x, w.router.as_ref().unwrap(), 1024, 16);
-        let mut layer = CudaLayer::new(&s, &w).unwrap();
-        layer.set_gemm_path(Some(GemmPath::Decode));
-        layer.set_decode_kernel(Some(DecodeKernel::Mma));
+        let (layer, _, x, logits) = mma_decode_layer(&s, 100, 8100, 8101);
         let first = 16 * 1024;
         let (one, _) = run_device(&layer, &x[..first], &logits[..16 * 16]);
         for tokens in [1, 2] {
@@ -815,12 +829,7 @@ fn deep_decode_shape_matches_wide_bitwise() {
         (128, 192, Activation::Relu2NoMul, QuantMode::W4A16),
     ] {
         let s = spec(h, i, 16, 4, act, quant);
-        let x = random_tokens(16, h, 8200 + h as u64);
-        let w = with_scales(&s, random_weights(&s, 8201).unwrap(), &x);
-        let logits = router_logits(&x, w.router.as_ref().unwrap(), h, 16);
-        let mut layer = CudaLayer::new(&s, &w).unwrap();
-        layer.set_gemm_path(Some(GemmPath::Decode));
-        layer.set_decode_kernel(Some(DecodeKernel::Mma));
+        let (mut layer, _, x, logits) = mma_decode_layer(&s, 16, 8200 + h as u64, 8201);
         layer.set_gemm_shape(Some(GemmShape::Wide));
         let (wide, _) = run_device(&layer, &x, &logits);
         layer.set_gemm_shape(Some(GemmShape::Deep));
@@ -855,12 +864,7 @@ fn expert_handoff_matches_the_full_wait_bitwise() {
         (192, 64, Activation::Relu2NoMul, W4A4),
     ] {
         let s = spec(h, i, 16, 4, act, quant);
-        let x = random_tokens(40, h, 8300 + h as u64);
-        let w = with_scales(&s, random_weights(&s, 8301).unwrap(), &x);
-        let logits = router_logits(&x, w.router.as_ref().unwrap(), h, 16);
-        let mut layer = CudaLayer::new(&s, &w).unwrap();
-        layer.set_gemm_path(Some(GemmPath::Decode));
-        layer.set_decode_kernel(Some(DecodeKernel::Mma));
+        let (mut layer, _, x, logits) = mma_decode_layer(&s, 40, 8300 + h as u64, 8301);
         let st = layer.stream().clone();
         for shape in [GemmShape::Wide, GemmShape::Deep] {
             layer.set_gemm_shape(Some(shape));
@@ -907,12 +911,7 @@ fn stream_decode_matches_mma_and_is_batch_invariant() {
     ] {
         let (e, tokens) = (16, 40);
         let s = spec(h, i, e, 4, act, quant);
-        let x = random_tokens(tokens, h, 8200 + h as u64);
-        let w = with_scales(&s, random_weights(&s, 8201).unwrap(), &x);
-        let logits = router_logits(&x, w.router.as_ref().unwrap(), h, e);
-        let mut layer = CudaLayer::new(&s, &w).unwrap();
-        layer.set_gemm_path(Some(GemmPath::Decode));
-        layer.set_decode_kernel(Some(DecodeKernel::Mma));
+        let (mut layer, w, x, logits) = mma_decode_layer(&s, tokens, 8200 + h as u64, 8201);
         let (mma, mma_ids) = run_device(&layer, &x, &logits);
         layer.set_decode_kernel(Some(DecodeKernel::Stream));
         for units in [1, 2, 4] {
