@@ -1739,27 +1739,34 @@ impl CudaLayer {
     /// `expert_gemm.cu`'s kernels and the device launches programmatic dependents (sm_90).
     pub fn expert_handoff_applies(&self, tokens: usize) -> bool {
         let (e, k) = (self.spec.shape.experts, self.spec.routing.top_k);
-        let nvfp4 = self.w13.nvfp4 || self.w2.nvfp4;
-        // bf16 experts always take the decode kernels; one token may be one launch instead.
-        let decode = !nvfp4 || self.path_for(tokens * k, e) == GemmPath::Decode;
+        // One token may run as one launch instead.
         tokens > 0
-            && decode
             && !self.one_token_applies(tokens)
-            && self.expert_handoff_for(tokens, nvfp4)
+            && self.expert_handoff_for(self.path_for(tokens * k, e), &self.w13, &self.w2, tokens)
     }
 
-    /// Whether a forward of `tokens` tokens hands GEMM1's rows to GEMM2 per expert: the routed
-    /// GEMMs both on the mma decode kernels (neither streams), launched as dependents, and the
-    /// whole layer timed (a graph prefix that stops after GEMM1 would leave counters behind).
-    fn expert_handoff_for(&self, tokens: usize, nvfp4_weights: bool) -> bool {
+    /// Whether routed GEMMs over `w13` and `w2` on `path`, `tokens` tokens, hand GEMM1's rows to
+    /// GEMM2 per expert: both on the mma decode kernels (neither prefill, since bf16 weights
+    /// always decode, nor streaming), launched as dependents, and the whole layer launched (a
+    /// graph prefix that stops after GEMM1 would leave counters behind).
+    fn expert_handoff_for(
+        &self,
+        path: GemmPath,
+        w13: &DeviceProjection,
+        w2: &DeviceProjection,
+        tokens: usize,
+    ) -> bool {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
         let on = self
             .expert_handoff
             .or_else(|| tuning_choice(&KNOB, "FP4MOE_EXPERT_HANDOFF", &[("0", false), ("1", true)]))
             .unwrap_or(true);
+        let nvfp4 = w13.nvfp4 || w2.nvfp4;
         on && self.dev.pdl
             && !self.stops_after(2)
-            && (!nvfp4_weights || self.decode_kernel_for(tokens) == DecodeKernel::Mma)
+            && (!nvfp4
+                || (path == GemmPath::Decode
+                    && self.decode_kernel_for(tokens) == DecodeKernel::Mma))
     }
 
     /// The decode kernel family of a forward of `tokens` tokens: forced (layer, then
@@ -2600,13 +2607,9 @@ impl CudaLayer {
                 });
             }
         }
-        // The expert-ready handoff (expert_gemm.cu) between routed decode GEMMs; elsewhere no
-        // kernel touches the counters.
-        let handoff = routed
-            && !prefill1
-            && !prefill2
-            && p1.ready != 0
-            && self.expert_handoff_for(tokens, w13.nvfp4 || w2.nvfp4);
+        // The expert-ready handoff (expert_gemm.cu) between routed decode GEMMs (`routed_params`
+        // points both at the counters); elsewhere no kernel touches them.
+        let handoff = routed && self.expert_handoff_for(path, w13, w2, tokens);
         let ready = if handoff { p1.ready } else { 0 };
         let (p1, p2) = (GemmParams { ready, ..p1 }, GemmParams { ready, ..p2 });
         // Both grids are checked before either GEMM launches (the tiles may differ).
@@ -2670,13 +2673,14 @@ impl CudaLayer {
             let name = format!("gemm2_{}", kind(w2));
             // GEMM1 signalled per expert only if it ran expert_gemm.cu's kernels (blocks1 > 0),
             // which the handoff's rule makes so.
+            let signalled = ready != 0 && blocks1 > 0;
             let p2 = GemmParams {
-                wait_blocks: if ready != 0 { blocks1 as i32 } else { 0 },
-                ready: if blocks1 > 0 { ready } else { 0 },
+                wait_blocks: if signalled { blocks1 as i32 } else { 0 },
+                ready: if signalled { ready } else { 0 },
                 ..p2
             };
             let launched = self.gemm(&name, stream, w2, p2, rg2, slots, tokens, one_token_slots);
-            if launched.is_err() && ready != 0 && blocks1 > 0 {
+            if launched.is_err() && signalled {
                 // GEMM1 counted its blocks and no GEMM2 will zero the counters: zero them here
                 // so the next forward's GEMM2 does not wait for counts it never reaches.
                 let n = 2 * p1.experts.max(0) as usize;
