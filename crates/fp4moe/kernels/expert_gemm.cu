@@ -15,38 +15,6 @@
 // four A-fragment registers.
 #include "gemm_common.cuh"
 
-// The narrow two-subtile and all four-subtile decode kernels dequantize through two shared-memory
-// tables (the others use gemm_common.cuh's table-free dequant_fragment_alu, see alu_dequant
-// below; the table-free form spills in the narrow two-subtile GEMM2): lut4[b] = bf16x2 of the
-// two E2M1 codes of byte b (negative zero → +0),
-// lut8[c] = bf16x2 (S, S) of scale code c (cuda/pack.rs: S's bf16 bits are c · 16 + 117 · 128).
-// Every product e2m1 · S has at most 6 significant bits, so the bf16 multiply is exact.
-__device__ __forceinline__ void fill_dequant_tables(u32* lut4, u32* lut8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        float lo = (i & 7) ? e2m1_value(i & 15) : 0.0f;
-        float hi = ((i >> 4) & 7) ? e2m1_value(i >> 4) : 0.0f;
-        lut4[i] = bf16x2_bits(__floats2bfloat162_rn(lo, hi));
-        u32 sb = (u32)i * 16u + (117u << 7);
-        lut8[i] = sb | (sb << 16);
-    }
-}
-
-// One mma A fragment (16 rows x 16 k) from its packed word (see cuda/pack.rs) and the block
-// scale codes of rows g (sg) and g + 8 (sg8).
-__device__ __forceinline__ void dequant_fragment(u32 word, u32 sg, u32 sg8, const u32* lut4,
-                                                 const u32* lut8, u32 a[4]) {
-    // Nibble-planar word (nibbles i and 4 + i: register i's codes) → byte i = register i's two
-    // codes, the table index: bytes 0 2 1 3, then nibbles 1 and 2 of each half swapped.
-    word = __byte_perm(word, 0, 0x3120u);
-    const u32 t = ((word >> 4) ^ word) & 0x00F000F0u;
-    word ^= t ^ (t << 4);
-    __nv_bfloat162 s0 = bits_bf16x2(lut8[sg]), s1 = bits_bf16x2(lut8[sg8]);
-    a[0] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[word & 0xff]), s0));
-    a[1] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[(word >> 8) & 0xff]), s1));
-    a[2] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[(word >> 16) & 0xff]), s0));
-    a[3] = bf16x2_bits(__hmul2(bits_bf16x2(lut4[word >> 24]), s1));
-}
-
 // Block shape: RGPB row groups x KSPLIT slices of K, one warp each (NWARPS = 16, or 8 for the
 // 32-token variants so their accumulators fit in registers); the KSPLIT partial accumulators
 // are summed in shared memory in a fixed order (deterministic). Two shapes: narrow (few row
@@ -68,44 +36,30 @@ __device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4],
     }
 }
 
-// Table-free dequantization (products then carry 2^-8, undone in the epilogue) for one subtile,
-// and for two in the wide shape (RGPB > 2). The tables' shared-memory lookups kept the L1/shared
-// pipe 64 % busy at T = 1 (KERNEL_NOTES run 23) and cost the two-subtile loops 48 of their 80
-// LDS per iteration; without them the wide two-subtile GEMMs took 37-39 % less time (run 128,
-// Nemotron, 64-256 tokens). The narrow two-subtile GEMM2 spills without the tables (the narrow
-// shape runs one expert at 1-2 tokens, one subtile, unless forced), and the four-subtile kernels
-// are not measured so.
-template <int NSUB, int RGPB>
-__device__ constexpr bool alu_dequant() { return NSUB == 1 || (NSUB == 2 && RGPB > 2); }
-
 // The A fragment of k block j of a 64-wide group: packed word w, the lane's eight scale codes s
-// (byte 2j: row g, 2j + 1: row g + 8).
-template <bool ALU>
-__device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, const u32* lut4, const u32* lut8, u32 a[4]) {
-    if (ALU)
-        dequant_fragment_alu(w, scale_pairs(s, j), a);  // both rows' scales in one swizzled pair
-    else {
-        // Row g's code of block j is byte 2j of the lane's eight, row g + 8's byte 2j + 1.
-        const u32 half = (j < 2 ? s.x : s.y) >> (16 * (j & 1));
-        dequant_fragment(w, half & 0xff, (half >> 8) & 0xff, lut4, lut8, a);
-    }
+// (byte 2j: row g, 2j + 1: row g + 8), dequantized in registers without tables (products carry
+// 2^-8, undone in the epilogue). The two-subtile and four-subtile kernels read 256-entry
+// shared-memory tables until run 144: their lookups kept the L1/shared pipe 64 % busy at T = 1
+// (KERNEL_NOTES run 23) and without them the wide two-subtile GEMMs took 37-39 % less time (run
+// 128, Nemotron, 64-256 tokens).
+__device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, u32 a[4]) {
+    dequant_fragment_alu(w, scale_pairs(s, j), a);  // both rows' scales in one swizzled pair
 }
 
 // One 64-wide k group of NVFP4 weights against the staged activations.
-template <int NSUB, bool GATED, bool ALU>
+template <int NSUB, bool GATED>
 __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 su, int kgi, float acc[NSUB][4],
-                                             float accu[NSUB][4], const u32* lut4, const u32* lut8, u32 b_s,
-                                             int sub_bytes, int nsub_valid) {
+                                             float accu[NSUB][4], u32 b_s, int sub_bytes, int nsub_valid) {
     const u32 dw[4] = {d.x, d.y, d.z, d.w};
     const u32 duw[4] = {du.x, du.y, du.z, du.w};
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         const u32 kb_s = b_s + (kgi * 4 + j) * 32;  // k block kgi·4 + j: 16 bf16
         u32 a[4];
-        decode_fragment<ALU>(dw[j], s, j, lut4, lut8, a);
+        decode_fragment(dw[j], s, j, a);
         mma_subtiles<NSUB>(acc, a, kb_s, sub_bytes, nsub_valid);
         if (GATED) {
-            decode_fragment<ALU>(duw[j], su, j, lut4, lut8, a);
+            decode_fragment(duw[j], su, j, a);
             mma_subtiles<NSUB>(accu, a, kb_s, sub_bytes, nsub_valid);
         }
     }
@@ -163,11 +117,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     constexpr int KSPLIT = NWARPS / RGPB;
     constexpr int NT = 8 * NSUB;
     constexpr int NACC = NSUB * 4 * (GATED ? 2 : 1);
-    constexpr bool ALU = alu_dequant<NSUB, RGPB>();
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    u32* lut4 = reinterpret_cast<u32*>(smem_raw);
-    u32* lut8 = lut4 + 256;
-    __nv_bfloat16* sact = reinterpret_cast<__nv_bfloat16*>(lut8 + 256);
+    __nv_bfloat16* sact = reinterpret_cast<__nv_bfloat16*>(smem_raw);
     float* red = reinterpret_cast<float*>(sact);  // reused for the split-K sums after the MMAs
 
     // GEMM2 may run on the expert-ready handoff, without pdl_wait: it reads the grouping through
@@ -186,8 +137,6 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     int per = (p.kg + KSPLIT * VS - 1) / (KSPLIT * VS);
     int k_lo = min(ks * VS * per, p.kg), k_hi = min(k_lo + VS * per, p.kg);
     const int mid = min(k_lo + per, k_hi);  // VS 2: the second slice's first k group
-
-    if (!ALU) fill_dequant_tables(lut4, lut8);
 
     const int kp = p.kg * 64;
     const int stride = kp + 8;
@@ -211,13 +160,11 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         int nvalid = min(NT, n_e - t0);
         int nsub_valid = (nvalid + 7) / 8;
 
-        // NVFP4: the table-free kernels load through running pointers at k group kgi (advanced
-        // by two groups per iteration, the next two groups' loads at immediate offsets), made
-        // opaque so ptxas keeps them in registers: under the 64-register cap it rebuilt each
-        // load's 64-bit address from the kernel parameters (an LDC.64 and ~5 integer operations
-        // per load; run 133: Nemotron 2-64 tokens -2.6 to -3.8 %, Qwen3 2-16 tokens -6.4 to
-        // -7.3 %). The table kernels index from the bases (the narrow two-subtile GEMM2 spills
-        // on sm_80 with running pointers).
+        // NVFP4: loads through running pointers at k group kgi (advanced by two groups per
+        // iteration, the next two groups' loads at immediate offsets), made opaque so ptxas keeps
+        // them in registers: under the 64-register cap it rebuilt each load's 64-bit address from
+        // the kernel parameters (an LDC.64 and ~5 integer operations per load; run 133: Nemotron
+        // 2-64 tokens -2.6 to -3.8 %, Qwen3 2-16 tokens -6.4 to -7.3 %).
         const uint4 *wd = wd0 + k_lo * 32, *wdu = wdu0 + k_lo * 32;
         const uint2 *ws = ws0 + k_lo * 8, *wsu = wsu0 + k_lo * 8;
         // Software pipeline, two k groups deep: a group's registers are refilled with the group
@@ -225,19 +172,19 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         uint4 da = make_uint4(0, 0, 0, 0), dua = da, db = da, dub = da;
         uint2 sa = make_uint2(0, 0), sua = sa, sb = sa, sub = sa;
         // k group kgi = (the iteration's first group) + i.
-        auto load = [&](int kgi, int i, uint4& d, uint2& sc, uint4& du, uint2& su) {
-            d = ALU ? ld_stream(wd + i * 32) : ld_stream(wd0 + kgi * 32);
-            sc = ALU ? ld_stream2(ws + i * 8) : ld_stream2(ws0 + kgi * 8);
+        auto load = [&](int i, uint4& d, uint2& sc, uint4& du, uint2& su) {
+            d = ld_stream(wd + i * 32);
+            sc = ld_stream2(ws + i * 8);
             if (GATED) {
-                du = ALU ? ld_stream(wdu + i * 32) : ld_stream(wdu0 + kgi * 32);
-                su = ALU ? ld_stream2(wsu + i * 8) : ld_stream2(wsu0 + kgi * 8);
+                du = ld_stream(wdu + i * 32);
+                su = ld_stream2(wsu + i * 8);
             }
         };
         // The first two k groups' weights are requested before the activations are staged:
         // they do not depend on them, and their DRAM latency then overlaps the staging's.
         if (KIND == 0 && run) {
-            load(k_lo, 0, da, sa, dua, sua);
-            if (k_lo + 1 < k_hi) load(k_lo + 1, 1, db, sb, dub, sub);
+            load(0, da, sa, dua, sua);
+            if (k_lo + 1 < k_hi) load(1, db, sb, dub, sub);
         }
 
         if (STAGE == 2 && p.wait_blocks > 0 && t0 == 0) expert_ready_wait(p, e);
@@ -273,33 +220,28 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         // groups in flight.
         auto phase = [&](float (&A)[NSUB][4], float (&AU)[NSUB][4], int lo, int hi, uint4& d0, uint2& s0,
                          uint4& du0, uint2& su0, uint4& d1, uint2& s1, uint4& du1, uint2& su1) {
-            if (ALU) {
-                wd = wd0 + lo * 32;
-                ws = ws0 + lo * 8;
-                asm volatile("" : "+l"(wd), "+l"(ws));
-                if (GATED) {
-                    wdu = wdu0 + lo * 32;
-                    wsu = wsu0 + lo * 8;
-                    asm volatile("" : "+l"(wdu), "+l"(wsu));
-                }
+            wd = wd0 + lo * 32;
+            ws = ws0 + lo * 8;
+            asm volatile("" : "+l"(wd), "+l"(ws));
+            if (GATED) {
+                wdu = wdu0 + lo * 32;
+                wsu = wsu0 + lo * 8;
+                asm volatile("" : "+l"(wdu), "+l"(wsu));
             }
             for (int kgi = lo; kgi < hi; kgi += 2) {
-                nvfp4_kgroup<NSUB, GATED, ALU>(d0, s0, du0, su0, kgi, A, AU, lut4, lut8, brow_s, sub_bytes, nsub_valid);
-                if (kgi + 2 < k_hi) load(kgi + 2, 2, d0, s0, du0, su0);
+                nvfp4_kgroup<NSUB, GATED>(d0, s0, du0, su0, kgi, A, AU, brow_s, sub_bytes, nsub_valid);
+                if (kgi + 2 < k_hi) load(2, d0, s0, du0, su0);
                 if (kgi + 1 < hi) {
-                    nvfp4_kgroup<NSUB, GATED, ALU>(d1, s1, du1, su1, kgi + 1, A, AU, lut4, lut8, brow_s, sub_bytes,
-                                                   nsub_valid);
-                    if (kgi + 3 < k_hi) load(kgi + 3, 3, d1, s1, du1, su1);
+                    nvfp4_kgroup<NSUB, GATED>(d1, s1, du1, su1, kgi + 1, A, AU, brow_s, sub_bytes, nsub_valid);
+                    if (kgi + 3 < k_hi) load(3, d1, s1, du1, su1);
                 }
-                if (ALU) {
-                    wd += 64;
-                    ws += 16;
-                    asm volatile("" : "+l"(wd), "+l"(ws));
-                    if (GATED) {
-                        wdu += 64;
-                        wsu += 16;
-                        asm volatile("" : "+l"(wdu), "+l"(wsu));
-                    }
+                wd += 64;
+                ws += 16;
+                asm volatile("" : "+l"(wd), "+l"(ws));
+                if (GATED) {
+                    wdu += 64;
+                    wsu += 16;
+                    asm volatile("" : "+l"(wdu), "+l"(wsu));
                 }
             }
         };
@@ -373,7 +315,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 }
         }
 
-        const float unscale = KIND == 0 && ALU ? NVFP4_DEQ_UNSCALE : 1.0f;
+        const float unscale = KIND == 0 ? NVFP4_DEQ_UNSCALE : 1.0f;
         if (STAGE == 1)
             store_gemm1<NSUB, GATED>(p, acc, accu, e, base, n_e, t0, rg, nsub_valid, unscale);
         else
@@ -383,10 +325,13 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 }
 
 // Non-gated variants are held to 64 registers (two 16-warp blocks per SM): occupancy is what
-// keeps enough weight bytes in flight. Gated and bf16 (shared expert) ones need more room.
+// keeps enough weight bytes in flight. Gated and bf16 (shared expert) ones need more room, and so
+// does the narrow two-subtile shape (it spilled under the cap; it runs only when forced).
+#define NARROW_ROOM(NSUB, RG) (NSUB == 2 && RG == 2)
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG)                                  \
     extern "C" __global__ void __launch_bounds__(                                                        \
-        NW * 32, VS == 2 ? ((GATED || KIND == 1) ? 2 : 4) : ((GATED || NSUB == 4 || KIND == 1) ? 1 : 2))    \
+        NW * 32, VS == 2 ? ((GATED || KIND == 1) ? 2 : 4)                                                \
+                         : ((GATED || NSUB == 4 || KIND == 1 || NARROW_ROOM(NSUB, RG)) ? 1 : 2))        \
         NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                     \
         if (STAGE == 1 || p.wait_blocks == 0) pdl_wait();                                                 \
         pdl_launch_dependents();                                                                          \

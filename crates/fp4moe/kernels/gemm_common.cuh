@@ -119,19 +119,21 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 // where f32 turns subnormal).
 #define NVFP4_DEQ_UNSCALE 256.0f
 
-// bf16x2 of A-fragment register i's two codes, times 2^-126. The packed word is nibble-planar
-// (cuda/pack.rs): nibble i holds register i's even-k code, nibble 4 + i its odd-k code, so
-// `w` (register 0, 1) or `w >> 8` (registers 2, 3) has both codes of the pair at the same
-// place o = 4·(i % 2) of each 16-bit half. One multiply puts two copies of each code in the half,
-// shifted by 6 − o (magnitude e1e0m onto bits 8..6) and 12 − o (sign onto bit 15), without
-// overlap, and a mask keeps those bits: two logic operations and an integer multiply-add (which
-// issues on the FMA pipe, not the ALU pipe the logic operations contend for), where the
-// byte-paired layout took a permute and three logic operations.
+// bf16x2 of A-fragment register i's two codes, times 2^-126 (cuda/pack.rs, CODE_BITS): register
+// 0's bits already sit at their bf16 places (m e0 e1 at 6..8, s at 15; +16 for the odd-k code),
+// register 1's 3 lower, so a mask (and a shift, which ptxas issues as an integer multiply on the
+// FMA pipe) gives them; registers 2 and 3 (the latter in the word shifted right by 8) carry
+// magnitude and sign at different distances below their places, so one multiply by
+// 2^mag + 2^sign puts two copies of the kept bits in the word, without overlap (no carries),
+// and the mask keeps the right ones. Seven logic / shift operations and three multiplies per
+// fragment; the nibble-planar layout before run 144 took nine and four (a multiply per register).
+#define E2M1_BF16_MASK 0x81C081C0u
 template <int I>
-__device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 w, u32 w8) {
-    constexpr u32 keep = (I & 1) ? 0x00F000F0u : 0x000F000Fu;
-    constexpr u32 spread = (I & 1) ? ((1u << 2) | (1u << 8)) : ((1u << 6) | (1u << 12));
-    return (((I < 2 ? w : w8) & keep) * spread) & 0x81C081C0u;
+__device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 w) {
+    if (I == 0) return w & E2M1_BF16_MASK;
+    if (I == 1) return (w * 8u) & E2M1_BF16_MASK;
+    if (I == 2) return ((w & 0x40074007u) * ((1u << 6) | (1u << 1))) & E2M1_BF16_MASK;
+    return (((w >> 8) & 0x002E002Eu) * ((1u << 5) | (1u << 10))) & E2M1_BF16_MASK;
 }
 
 // (S'_g, S'_g+8) = the block scales of rows g and g + 8 times 2^118 as a bf16 pair, for k block
@@ -149,11 +151,10 @@ __device__ __forceinline__ u32 scale_pairs(uint2 s, int j) {
 // block (see cuda/pack.rs), s0 / s1 = the scales of rows g / g + 8 (registers 0 and 2 hold
 // row g, 1 and 3 row g + 8) in both halves.
 __device__ __forceinline__ void dequant_fragment_alu(u32 word, __nv_bfloat162 s0, __nv_bfloat162 s1, u32 a[4]) {
-    const u32 w8 = word >> 8;
-    a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<0>(word, w8)), s0));
-    a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<1>(word, w8)), s1));
-    a[2] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<2>(word, w8)), s0));
-    a[3] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<3>(word, w8)), s1));
+    a[0] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<0>(word)), s0));
+    a[1] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<1>(word)), s1));
+    a[2] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<2>(word)), s0));
+    a[3] = bf16x2_bits(__hmul2(bits_bf16x2(e2m1x2_scaled_bits<3>(word)), s1));
 }
 
 // The same from `sp` = scale_pairs of the block: each multiply takes its row's half of `sp`

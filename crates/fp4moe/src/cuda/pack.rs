@@ -6,10 +6,10 @@
 //! NVFP4, per expert, row group `rg` (16 rows) and 64-wide k group `kg` (four 16-wide blocks):
 //! - data, 512 bytes: lane `L = 4g + q`, little-endian word `16L + 4j` holds the E2M1 codes of
 //!   k block `4kg + j` for the four A-fragment registers i = `(row g, k 2q..2q+1)`,
-//!   `(row g+8, k 2q..)`, `(row g, k 2q+8..2q+9)`, `(row g+8, k 2q+8..)`, nibble-planar: nibble
-//!   `i` (bits 4i..4i+3) is register i's even-k code, nibble `4 + i` its odd-k code. The
-//!   kernels then find both codes of a register at the same place in each 16-bit half of the
-//!   word (or of the word shifted by 8), one integer multiply away from their bf16 bits
+//!   `(row g+8, k 2q..)`, `(row g, k 2q+8..2q+9)`, `(row g+8, k 2q+8..)`, each code's four bits
+//!   scattered ([`CODE_BITS`]) so that the kernels reach register i's bf16 bits with a mask
+//!   (register 0), a shift and a mask (1), or a mask, an integer multiply and a mask (2; 3 after
+//!   a shift right by 8): seven logic or shift operations and three multiplies per fragment
 //!   (`kernels/gemm_common.cuh`);
 //! - scales, 64 bytes: `8g + 2j` = scale code of row g, block `4kg + j`; `8g + 2j + 1` = row
 //!   g + 8. Lane `4g + q` loads its eight codes as one 8-byte word; both rows' codes of block j
@@ -31,10 +31,8 @@
 use crate::weights::ExpertStack;
 use half::bf16;
 
-/// Offset of a scale code's decoded bf16 bits: `235 << 7` (T = S · 2^118), and for S itself
-/// `117 << 7`.
+/// Offset of a scale code's decoded bf16 bits: `235 << 7` (T = S · 2^118).
 pub const SCALE_T_BIAS: u16 = 235 << 7;
-pub const SCALE_S_BIAS: u16 = 117 << 7;
 
 /// The device scale code of E4M3 byte `b` (see the module docs); 0 for zero. Bytes the weights'
 /// validation rejects (sign bit set, NaN) map to 0 as well.
@@ -58,17 +56,39 @@ pub fn scale_e4m3(c: u8) -> u8 {
     crate::format::e4m3::encode_sat(t * 2f32.powi(-118))
 }
 
-/// The nibble-planar data word of A-fragment registers 0..3 given as code pairs (one byte each,
-/// even k in the low nibble): nibble i = pair i's low code, nibble 4 + i its high code.
-pub fn planar_word(pairs: [u8; 4]) -> u32 {
-    pairs.iter().enumerate().fold(0u32, |w, (i, &p)| {
-        w | u32::from(p & 0xF) << (4 * i) | u32::from(p >> 4) << (16 + 4 * i)
-    })
+/// Where [`fragment_word`] puts A-fragment register i's two codes: bit b of the pair byte (low
+/// nibble the even-k code, bits m, e0, e1, s; high nibble the odd-k one) goes to word bit
+/// `CODE_BITS[i][b]`. Register 0's bits are their bf16 places (m, e0, e1 → 6..8, s → 15; +16 for
+/// the odd code), register 1's the same 3 lower, register 2's magnitudes 6 and its signs 1 lower,
+/// register 3's (in the word shifted right by 8) magnitudes 5 and signs 10 lower; see
+/// `e2m1x2_scaled_bits` in kernels/gemm_common.cuh.
+pub const CODE_BITS: [[u8; 8]; 4] = [
+    [6, 7, 8, 15, 22, 23, 24, 31],
+    [3, 4, 5, 12, 19, 20, 21, 28],
+    [0, 1, 2, 14, 16, 17, 18, 30],
+    [9, 10, 11, 13, 25, 26, 27, 29],
+];
+
+/// The packed data word of A-fragment registers 0..3 given as code pairs (one byte each, even k
+/// in the low nibble), bits placed by [`CODE_BITS`].
+pub fn fragment_word(pairs: [u8; 4]) -> u32 {
+    let mut w = 0u32;
+    for (bits, &p) in CODE_BITS.iter().zip(&pairs) {
+        for (b, &at) in bits.iter().enumerate() {
+            w |= u32::from((p >> b) & 1) << at;
+        }
+    }
+    w
 }
 
-/// Inverse of [`planar_word`].
-pub fn planar_pairs(w: u32) -> [u8; 4] {
-    std::array::from_fn(|i| ((w >> (4 * i)) & 0xF | ((w >> (16 + 4 * i)) & 0xF) << 4) as u8)
+/// Inverse of [`fragment_word`].
+pub fn fragment_pairs(w: u32) -> [u8; 4] {
+    std::array::from_fn(|i| {
+        CODE_BITS[i]
+            .iter()
+            .enumerate()
+            .fold(0u8, |p, (b, &at)| p | (((w >> at) & 1) as u8) << b)
+    })
 }
 
 /// K rounded up to the kernels' 64-wide k groups.
@@ -112,7 +132,7 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
                             keep(rows[0], at(rows[0], 4 + q)),
                             keep(rows[1], at(rows[1], 4 + q)),
                         ];
-                        data[o..o + 4].copy_from_slice(&planar_word(pairs).to_le_bytes());
+                        data[o..o + 4].copy_from_slice(&fragment_word(pairs).to_le_bytes());
                         if q == 0 {
                             let so = (tile + kgi) * 64 + 8 * g;
                             scales[so + 2 * j] = code(rows[0]);
@@ -149,7 +169,7 @@ pub fn unpack_nvfp4(
                 for q in 0..4 {
                     let o = tile * 512 + (4 * g + q) * 16 + 4 * j;
                     let word = u32::from_le_bytes([data[o], data[o + 1], data[o + 2], data[o + 3]]);
-                    let pairs = planar_pairs(word);
+                    let pairs = fragment_pairs(word);
                     let dst = (e * rows + r) * cols / 2 + kb * 8;
                     packed[dst + q] = pairs[hi];
                     packed[dst + 4 + q] = pairs[2 + hi];
@@ -208,8 +228,12 @@ mod tests {
         let reg = (usize::from(second_half) << 1) | usize::from(hi_row);
         let o = ((e * rows / 16 + rg) * kg + kgi) * 512 + lane * 16 + 4 * j;
         let w = u32::from_le_bytes([data[o], data[o + 1], data[o + 2], data[o + 3]]);
-        // Nibble-planar: register `reg`'s even-k code in nibble reg, odd-k in nibble 4 + reg.
-        ((w >> (4 * (reg + 4 * (kk % 2)))) & 0xF) as u8
+        let pair = fragment_pairs(w)[reg];
+        if kk % 2 == 0 {
+            pair & 0xF
+        } else {
+            pair >> 4
+        }
     }
 
     #[test]
@@ -243,9 +267,8 @@ mod tests {
         assert_eq!(e2m1::decode(read_back(&data, rows, kg, 0, 0, 100)), 0.0);
     }
 
-    /// Every valid E4M3 scale: the device's decodes give T = S · 2^118 exactly as bf16 (the pair
-    /// of both rows, `scale_pairs`; the table-based decode kernels' index, `decode_fragment`),
-    /// and S (`lut8`), and the code maps back to the byte.
+    /// Every valid E4M3 scale: the device's decode gives T = S · 2^118 exactly as bf16 (the pair
+    /// of both rows, `scale_pairs`), and the code maps back to the byte.
     #[test]
     fn scale_codes_decode_exactly_with_one_multiply_add() {
         for b in 0u8..=0x7E {
@@ -279,13 +302,8 @@ mod tests {
                         want,
                         "bytes {b:#x} {b8:#x}, block {j}"
                     );
-                    for (r, c) in [(0, c), (1, c8)] {
-                        assert_eq!(device_table_index(codes, j, r), c, "block {j} row {r}");
-                    }
                 }
             }
-            let sb = bf16::from_bits(c as u16 * 16 + SCALE_S_BIAS);
-            assert_eq!(sb.to_f32(), s, "byte {b:#x}: S");
         }
         assert_eq!(scale_code(0x7F), 0); // NaN
         assert_eq!(scale_code(0x81), 0); // negative
@@ -313,28 +331,33 @@ mod tests {
             .wrapping_add(0x7580_7580)
     }
 
-    /// The table index `decode_fragment` (kernels/expert_gemm.cu) takes for row r of block j.
-    fn device_table_index(codes: [u8; 8], j: usize, r: usize) -> u8 {
-        let half = scale_word(codes, j) >> (16 * (j & 1));
-        ((half >> (8 * r)) & 0xFF) as u8
-    }
-
     /// The device's extraction (`e2m1x2_scaled_bits` in kernels/gemm_common.cuh), bit for bit.
     fn device_pair_bits(w: u32, i: usize) -> u32 {
-        let v = if i < 2 { w } else { w >> 8 };
-        let (keep, spread) = if i % 2 == 1 {
-            (0x00F0_00F0u32, (1u32 << 2) | (1 << 8))
-        } else {
-            (0x000F_000F, (1 << 6) | (1 << 12))
-        };
-        ((v & keep).wrapping_mul(spread)) & 0x81C0_81C0
+        const MASK: u32 = 0x81C0_81C0;
+        match i {
+            0 => w & MASK,
+            1 => w.wrapping_mul(8) & MASK,
+            2 => (w & 0x4007_4007).wrapping_mul((1 << 6) | (1 << 1)) & MASK,
+            _ => ((w >> 8) & 0x002E_002E).wrapping_mul((1 << 5) | (1 << 10)) & MASK,
+        }
     }
 
-    /// Every code pair in every register position, beside arbitrary neighbours: the multiply
-    /// gives the bf16 bits of e2m1 · 2^-126 for both codes (the sign bit alone for -0), and the
-    /// table kernels' byte interleave gives the pair byte back.
+    /// The code bits fill the word: every bit belongs to exactly one code.
     #[test]
-    fn planar_words_decode_with_one_multiply_per_pair() {
+    fn code_bits_are_a_permutation() {
+        let mut seen = [false; 32];
+        for &at in CODE_BITS.iter().flatten() {
+            assert!(!seen[usize::from(at)], "bit {at} twice");
+            seen[usize::from(at)] = true;
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    /// Every code pair in every register position, beside arbitrary neighbours: the device's
+    /// extraction gives the bf16 bits of e2m1 · 2^-126 for both codes (the sign bit alone for
+    /// -0), and the word gives the pairs back.
+    #[test]
+    fn fragment_words_decode_exactly() {
         let bits = |code: u8| -> u16 {
             let m = f32::from(code & 7 != 0) * e2m1::decode(code & 7) * 2f32.powi(-126);
             let b = bf16::from_f32(m);
@@ -344,23 +367,30 @@ mod tests {
         let mut fill = 0x9E37_79B9u32;
         for i in 0..4 {
             for pair in 0..=255u8 {
-                fill = fill.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                let mut pairs = fill.to_le_bytes();
-                pairs[i] = pair;
-                let w = planar_word(pairs);
-                assert_eq!(planar_pairs(w), pairs);
-                let want = u32::from(bits(pair & 0xF)) | u32::from(bits(pair >> 4)) << 16;
-                assert_eq!(
-                    device_pair_bits(w, i),
-                    want,
-                    "register {i}, pair {pair:#04x}"
-                );
-                // expert_gemm.cu's dequant_fragment: byte_perm(w, 0, 0x3120), nibble swap.
-                let b = w.to_le_bytes();
-                let mut u = u32::from_le_bytes([b[0], b[2], b[1], b[3]]);
-                let t = ((u >> 4) ^ u) & 0x00F0_00F0;
-                u ^= t ^ (t << 4);
-                assert_eq!(u.to_le_bytes(), pairs, "register {i}, pair {pair:#04x}");
+                for _ in 0..8 {
+                    fill = fill.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    let mut pairs = fill.to_le_bytes();
+                    pairs[i] = pair;
+                    let w = fragment_word(pairs);
+                    assert_eq!(fragment_pairs(w), pairs);
+                    let want = u32::from(bits(pair & 0xF)) | u32::from(bits(pair >> 4)) << 16;
+                    assert_eq!(
+                        device_pair_bits(w, i),
+                        want,
+                        "register {i}, pair {pair:#04x}, word {w:#010x}"
+                    );
+                }
+            }
+        }
+        // Neighbours all ones and all zeros: the multiplies must not carry into a kept bit.
+        for i in 0..4 {
+            for pair in 0..=255u8 {
+                for fillb in [0u8, 0xFF] {
+                    let mut pairs = [fillb; 4];
+                    pairs[i] = pair;
+                    let want = u32::from(bits(pair & 0xF)) | u32::from(bits(pair >> 4)) << 16;
+                    assert_eq!(device_pair_bits(fragment_word(pairs), i), want);
+                }
             }
         }
     }
