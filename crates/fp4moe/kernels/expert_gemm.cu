@@ -65,49 +65,6 @@ __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 s
     }
 }
 
-// Expert-ready handoff between the routed decode GEMMs (p.ready non-null, sm_90 with programmatic
-// launches): GEMM2's blocks launch once every GEMM1 block has started, and instead of pdl_wait
-// (all of GEMM1 finished) each waits only for its own expert's rows. ready[e] counts the GEMM1
-// blocks of expert e that have stored their rows (block barrier, fence, add: the pattern of
-// cooperative groups' grid sync); a GEMM2 block of expert e proceeds when it reaches wait_blocks
-// (GEMM1's blocks per expert), so GEMM2 fills the SMs GEMM1's last partial wave leaves idle. The
-// last GEMM2 block of e through the wait (ready[experts + e] counts them) zeroes both counters
-// for the next forward: every GEMM1 add of e came before, and the next forward's GEMM1 runs after
-// this GEMM2 has finished (every launch in between waits for its predecessor). No deadlock:
-// every GEMM1 block has started (and passed its own wait) before any GEMM2 block launches.
-// GEMM2 reads GEMM1's rows through L2 (cp.async.cg) after the acquire. Block (0, 0)'s thread 0
-// still calls pdl_wait before it exits, so GEMM2's completion implies GEMM1's (the chain
-// common.cuh's pdl_launch_dependents relies on): GEMM1's blocks of inactive slots read the
-// grouping after they let GEMM2 launch, and the next forward's routing rewrites it. A count
-// past wait_blocks, or a wait beyond EXPERT_READY_TIMEOUT_NS (a counter left behind by a forward
-// that failed between the two launches), traps instead of racing or hanging.
-#define EXPERT_READY_TIMEOUT_NS 2000000000ull
-__device__ __forceinline__ void expert_ready_signal(const GemmParams& p, int e) {
-    __syncthreads();  // every warp of the block has stored its rows
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(p.ready + e, 1);
-    }
-}
-__device__ __forceinline__ void expert_ready_wait(const GemmParams& p, int e) {
-    if (threadIdx.x == 0) {
-        const unsigned long long t0 = global_ns();
-        for (;;) {
-            int c;
-            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(c) : "l"(p.ready + e) : "memory");
-            if (c == p.wait_blocks) break;
-            if (c > p.wait_blocks) __trap();
-            if (global_ns() - t0 > EXPERT_READY_TIMEOUT_NS) __trap();
-            __nanosleep(100);
-        }
-        if (atomicAdd(p.ready + p.experts + e, 1) == (int)gridDim.x - 1) {
-            p.ready[e] = 0;
-            p.ready[p.experts + e] = 0;
-        }
-    }
-    __syncthreads();
-}
-
 // KIND 0: NVFP4 weights, 1: bf16 weights. STAGE 1: GEMM1 + activation, 2: GEMM2.
 // VS: K slices per warp. The deep shape (VS 2) runs a wide block's two K slices of a row group in
 // one warp, each into its own accumulators added at the end as the wide block's reduction adds
@@ -187,7 +144,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
             if (k_lo + 1 < k_hi) load(1, db, sb, dub, sub);
         }
 
-        if (STAGE == 2 && p.wait_blocks > 0 && t0 == 0) expert_ready_wait(p, e);
+        if (STAGE == 2 && p.wait_blocks > 0 && t0 == 0)
+            expert_ready_wait(p, e, expert_ready_target(p, n_e), gridDim.x);
 
         // Activation staging by cp.async (zero-fill past K and for the tile's empty rows), so
         // every piece of a lane is in flight at once: plain loads and stores took one L2 round
@@ -333,11 +291,9 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         NW * 32, VS == 2 ? ((GATED || KIND == 1) ? 2 : 4)                                                \
                          : ((GATED || NSUB == 4 || KIND == 1 || NARROW_ROOM(NSUB, RG)) ? 1 : 2))        \
         NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                     \
-        if (STAGE == 1 || p.wait_blocks == 0) pdl_wait();                                                 \
-        pdl_launch_dependents();                                                                          \
+        gemm_enter<STAGE>(p);                                                                             \
         gemm_body<KIND, STAGE, GATED, NSUB, RG, NW, VS>(p);                                              \
-        if (STAGE == 2 && p.wait_blocks > 0 && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)     \
-            pdl_wait(); /* GEMM2's completion implies GEMM1's (expert_ready_wait) */                       \
+        gemm_exit<STAGE>(p);                                                                              \
     }
 #define INSTANTIATE(NAME, KIND, STAGE, GATED)                     \
     INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 2, 16, 1, narrow)   \

@@ -28,7 +28,7 @@ struct GemmParams {
     __nv_bfloat16* g_out;
     const float* topk_w;
     __nv_bfloat16* o_out;  // GEMM2: each pair's weighted output, rounded once to bf16
-    int* ready;      // null, or [2·experts] counters of the expert-ready handoff (expert_gemm.cu)
+    int* ready;      // null, or [2·experts] counters of the expert-ready handoff (expert_ready_wait)
     int rg_out;      // output row groups: I/16 (GEMM1) or H/16 (GEMM2)
     int rg_w;        // weight row groups per expert
     int kg;          // 64-wide k groups (padded K / 64)
@@ -41,8 +41,8 @@ struct GemmParams {
     float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
     int tile_rows;   // expert_stream.cu: activation rows per pass (the rows its shared memory holds)
     int experts;     // experts `offsets` covers (offsets[0] .. offsets[experts]; prefill_gemm.cu's find_tile)
-    int wait_blocks; // GEMM2: > 0 waits for this many GEMM1 blocks per expert on `ready` instead of pdl_wait
-    int pad_;
+    int wait_blocks; // GEMM2: > 0 waits for GEMM1's blocks of its expert on `ready` instead of pdl_wait:
+    int wait_nt;     // wait_blocks per GEMM1 token tile of wait_nt rows (prefill), or wait_blocks (0)
 };
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -110,6 +110,71 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     mbar_wait_s<CLUSTER>(smem_u32(bar), parity);
 }
 
+// Expert-ready handoff between the routed GEMMs (p.ready non-null, sm_90 with programmatic
+// launches; the decode kernels of expert_gemm.cu and the prefill tiles of prefill_gemm.cu):
+// GEMM2's blocks launch once every GEMM1 block has started, and instead of pdl_wait (all of GEMM1
+// finished) each waits only for its own expert's rows. ready[e] counts the GEMM1 blocks of
+// expert e that have stored their rows (block barrier, fence, add: the pattern of cooperative
+// groups' grid sync); a GEMM2 block of expert e proceeds when it reaches GEMM1's blocks of e
+// (expert_ready_target), so GEMM2 fills the SMs GEMM1's last partial wave leaves idle. The last
+// GEMM2 block of e through the wait (ready[experts + e] counts them against `consumers`, GEMM2's
+// blocks of e) zeroes both counters for the next forward: every GEMM1 add of e came before, and
+// the next forward's GEMM1 runs after this GEMM2 has finished (every launch in between waits for
+// its predecessor). No deadlock: every GEMM1 block has started (and passed its own wait) before
+// any GEMM2 block launches. After the acquire a proxy fence orders the TMA reads of GEMM1's rows
+// (prefill; the async proxy) after it. Before the wait GEMM2 reads the grouping only through L2
+// (the routing that wrote it finished before GEMM1's blocks passed their wait). Block (0, 0)'s
+// thread 0 still calls pdl_wait before it exits (gemm_exit), so GEMM2's completion implies
+// GEMM1's (the chain common.cuh's pdl_launch_dependents relies on): GEMM1's blocks of inactive
+// slots or tiles read the grouping after they let GEMM2 launch, and the next forward's routing
+// rewrites it. A count past the target, or a wait beyond EXPERT_READY_TIMEOUT_NS (a counter left
+// behind by a forward that failed between the two launches), traps instead of racing or hanging.
+#define EXPERT_READY_TIMEOUT_NS 2000000000ull
+__device__ __forceinline__ void expert_ready_signal(const GemmParams& p, int e) {
+    __syncthreads();  // every warp of the block has stored its rows
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(p.ready + e, 1);
+    }
+}
+// GEMM1's blocks of an expert with n_e rows: wait_blocks per token tile of wait_nt rows (prefill
+// tiles), or wait_blocks (wait_nt 0: a decode block covers all of its expert's rows).
+__device__ __forceinline__ int expert_ready_target(const GemmParams& p, int n_e) {
+    return p.wait_nt > 0 ? p.wait_blocks * ((n_e + p.wait_nt - 1) / p.wait_nt) : p.wait_blocks;
+}
+__device__ __forceinline__ void expert_ready_wait(const GemmParams& p, int e, int target, int consumers) {
+    if (threadIdx.x == 0) {
+        const unsigned long long t0 = global_ns();
+        for (;;) {
+            int c;
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(c) : "l"(p.ready + e) : "memory");
+            if (c == target) break;
+            if (c > target) __trap();
+            if (global_ns() - t0 > EXPERT_READY_TIMEOUT_NS) __trap();
+            __nanosleep(100);
+        }
+#if __CUDA_ARCH__ >= 900
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
+        if (atomicAdd(p.ready + p.experts + e, 1) == consumers - 1) {
+            p.ready[e] = 0;
+            p.ready[p.experts + e] = 0;
+        }
+    }
+    __syncthreads();
+}
+// A GEMM kernel's first and last statements: GEMM2 on the handoff skips pdl_wait (each block
+// waits for its expert instead) and block (0, 0) waits at exit (see above).
+template <int STAGE>
+__device__ __forceinline__ void gemm_enter(const GemmParams& p) {
+    if (STAGE == 1 || p.wait_blocks == 0) pdl_wait();
+    pdl_launch_dependents();
+}
+template <int STAGE>
+__device__ __forceinline__ void gemm_exit(const GemmParams& p) {
+    if (STAGE == 2 && p.wait_blocks > 0 && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) pdl_wait();
+}
+
 // Exact NVFP4 → bf16 dequantization in registers, without tables (shared-memory lookups cost
 // bank cycles the tensor cores and the activation staging need). An E2M1 code s·e1e0m placed in bf16 bits 15 and 8..6 reads
 // as its value times 2^-126 (bf16 subnormal for code 1, which bf16 arithmetic keeps); the block
@@ -127,6 +192,8 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 // 2^mag + 2^sign puts two copies of the kept bits in the word, without overlap (no carries),
 // and the mask keeps the right ones. Seven logic / shift operations and three multiplies per
 // fragment; the nibble-planar layout before run 144 took nine and four (a multiply per register).
+// The shift of register 3 as a high multiply (__umulhi by 2^24: IMAD.HI on the FMA pipe instead
+// of SHF on the ALU one) was 1-10 % slower at 2-4096 tokens (run 146).
 #define E2M1_BF16_MASK 0x81C081C0u
 template <int I>
 __device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 w) {

@@ -304,16 +304,18 @@ __device__ __forceinline__ void mma_sync_k16(float (&acc)[NSUB][4], const u32 a[
 // start copying, where one warp scanning the active list 32 experts at a time took ~2.8 rounds
 // of two dependent loads (run 116: the other warps' wait was 4.5 % of the dual GEMM1's samples).
 // Tiles come in increasing expert id, the active list's order. `scratch`: WARPS ints, read
-// before the caller's next barrier; `tile` is complete after that barrier.
+// before the caller's next barrier; `tile` is complete after that barrier. VIA_L2: the offsets
+// through L2 (GEMM2, which may run on the expert-ready handoff without pdl_wait).
 #define PF_MAX_EXPERTS 512  // cuda::MAX_EXPERTS
-template <int NT, int THREADS>
+template <int NT, int THREADS, bool VIA_L2>
 __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile, int* scratch) {
     constexpr int PER = (PF_MAX_EXPERTS + THREADS - 1) / THREADS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, target = blockIdx.y;
     const int per = (p.experts + THREADS - 1) / THREADS, e0 = tid * per;
     int off[PER + 1];
 #pragma unroll
-    for (int i = 0; i <= PER; i++) off[i] = i <= per && e0 + i <= p.experts ? p.offsets[e0 + i] : 0;
+    for (int i = 0; i <= PER; i++)
+        off[i] = i <= per && e0 + i <= p.experts ? (VIA_L2 ? __ldcg(p.offsets + e0 + i) : p.offsets[e0 + i]) : 0;
     int cnt = 0;
 #pragma unroll
     for (int i = 0; i < PER; i++)
@@ -671,12 +673,15 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     unsigned char* ring = smem_raw + PF_RING_OFFSET;
 
     const int tid = threadIdx.x;
-    find_tile<NT, THREADS>(p, tile, srow);  // srow: scratch until the barrier below
+    find_tile<NT, THREADS, STAGE == 2>(p, tile, srow);  // srow: scratch until the barrier below
     __syncthreads();
     const int e = tile[0];
     if (e < 0) return;  // block-uniform
     const int t0 = tile[1];
     const int base = tile[2], n_e = tile[3];
+    // The expert-ready handoff (gemm_common.cuh): GEMM2's blocks of e, one per row tile and token tile.
+    if (STAGE == 2 && p.wait_blocks > 0)
+        expert_ready_wait(p, e, expert_ready_target(p, n_e), gridDim.x * ((n_e + NT - 1) / NT));
     const int nvalid = min(NT, n_e - t0);
     PairTable* pairs = reinterpret_cast<PairTable*>(smem_raw + PF_PAIRS_OFFSET);
     if (STAGE == 2) {
@@ -727,15 +732,16 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     // Neither CTA leaves while the other may still write its shared memory or barriers.
     if (TMA == 2) cluster_sync();
 #endif
+    if (STAGE == 1 && p.ready) expert_ready_signal(p, e);
 }
 
 // 512 threads: one 16-row slot per warp; 256: two (HALVES = 512 / THREADS).
 #define PREFILL(NAME, GATED, STAGE, NT, THREADS, BLOCKS)                                          \
     static_assert(THREADS == 256 || THREADS == 512, "a block covers 16 slots with 8 or 16 warps"); \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(const GemmParams p) { \
-        pdl_wait();                                                                               \
-        pdl_launch_dependents();                                                                  \
+        gemm_enter<STAGE>(p);                                                                     \
         prefill_body<GATED, STAGE, NT, 16, 512 / THREADS, 0>(p, nullptr);                         \
+        gemm_exit<STAGE>(p);                                                                      \
     }
 PREFILL(prefill_gemm1_gated, true, 1, PF_NT, PF_THREADS, 1)
 PREFILL(prefill_gemm1_plain, false, 1, PF_NT, PF_THREADS, 1)
@@ -751,9 +757,9 @@ PREFILL(prefill_small_gemm2, false, 2, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_B
 #define PREFILL_SMALL_TMA(NAME, GATED, STAGE)                                                        \
     extern "C" __global__ void __launch_bounds__(PF_THREADS_SMALL, PF_SMALL_BLOCKS)                  \
         NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
-        pdl_wait();                                                                                  \
-        pdl_launch_dependents();                                                                     \
+        gemm_enter<STAGE>(p);                                                                        \
         prefill_body<GATED, STAGE, PF_NT_SMALL, 16, 2, 1>(p, &tm);                                   \
+        gemm_exit<STAGE>(p);                                                                         \
     }
 PREFILL_SMALL_TMA(prefill_small_tma_gemm1_gated, true, 1)
 PREFILL_SMALL_TMA(prefill_small_tma_gemm1_plain, false, 1)
@@ -764,9 +770,9 @@ PREFILL_SMALL_TMA(prefill_small_tma_gemm2, false, 2)
 #define PREFILL_TMA(NAME, GATED, STAGE, CLUSTER)                                                      \
     extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)                                      \
         NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
-        pdl_wait();                                                                                  \
-        pdl_launch_dependents();                                                                     \
+        gemm_enter<STAGE>(p);                                                                        \
         prefill_body<GATED, STAGE, PF_NT, 16, 1, CLUSTER>(p, &tm);                                   \
+        gemm_exit<STAGE>(p);                                                                         \
     }
 PREFILL_TMA(prefill_tma1_gemm1_gated, true, 1, 1)
 PREFILL_TMA(prefill_tma1_gemm1_plain, false, 1, 1)
@@ -779,9 +785,9 @@ PREFILL_TMA(prefill_tma2_gemm2, false, 2, 2)
 #define PREFILL_SLOTS8(NAME, GATED, STAGE, NT, THREADS, BLOCKS)                                      \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS)                                    \
         NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
-        pdl_wait();                                                                                  \
-        pdl_launch_dependents();                                                                     \
+        gemm_enter<STAGE>(p);                                                                        \
         prefill_body<GATED, STAGE, NT, THREADS / 32, 1, 1>(p, &tm);                                  \
+        gemm_exit<STAGE>(p);                                                                         \
     }
 // Wide tiles (KERNEL_NOTES run 44): 256 tokens per block, one block per SM. Each converted A
 // fragment feeds 256 token columns (two m64n128k16 per 16 k) instead of 128: half the

@@ -865,31 +865,82 @@ fn expert_handoff_matches_the_full_wait_bitwise() {
     ] {
         let s = spec(h, i, 16, 4, act, quant);
         let (mut layer, _, x, logits) = mma_decode_layer(&s, 40, 8300 + h as u64, 8301);
-        let st = layer.stream().clone();
         for shape in [GemmShape::Wide, GemmShape::Deep] {
             layer.set_gemm_shape(Some(shape));
             for t in [2, 9, 40] {
-                let (xt, lt) = (&x[..t * h], &logits[..t * 16]);
-                layer.set_expert_handoff(Some(false));
-                let (want, _) = run_device(&layer, xt, lt);
-                assert!(want.iter().any(|v| *v != 0.0), "all zeros");
-                layer.set_expert_handoff(Some(true));
-                // It runs wherever the device launches programmatic dependents (sm_90).
-                assert_eq!(layer.expert_handoff_applies(t), layer.device().pdl);
-                let mut ws = layer.workspace(t).unwrap();
-                let l = st.clone_htod(lt).unwrap();
-                for round in 0..4 {
-                    st.memcpy_htod(xt, &mut ws.x).unwrap();
-                    layer.forward_device(&mut ws, Some(&l)).unwrap();
-                    let got = st.clone_dtoh(&ws.out).unwrap();
-                    assert!(
-                        same_bits(&got, &want),
-                        "H {h} I {i} {act} {quant} {shape:?} T {t} forward {round}: the handoff differs from the full wait"
-                    );
-                }
+                let label = format!("H {h} I {i} {act} {quant} {shape:?} T {t}");
+                assert_handoff_bitwise(&mut layer, &x[..t * h], &logits[..t * 16], &label);
             }
         }
         println!("expert handoff H {h} I {i} {act} {quant}: bitwise the full wait's, four forwards per workspace");
+    }
+}
+
+/// The layer's output with the expert-ready handoff (four forwards on one workspace, so its
+/// counters must come back to zero each time) against the full wait's, bit for bit; and the
+/// handoff runs wherever the device launches programmatic dependents (sm_90).
+fn assert_handoff_bitwise(layer: &mut CudaLayer, x: &[f32], logits: &[f32], label: &str) {
+    let t = x.len() / layer.spec().shape.hidden;
+    let st = layer.stream().clone();
+    layer.set_expert_handoff(Some(false));
+    let (want, _) = run_device(layer, x, logits);
+    assert!(want.iter().any(|v| *v != 0.0), "{label}: all zeros");
+    layer.set_expert_handoff(Some(true));
+    assert_eq!(
+        layer.expert_handoff_applies(t),
+        layer.device().pdl,
+        "{label}"
+    );
+    let mut ws = layer.workspace(t).unwrap();
+    let l = st.clone_htod(logits).unwrap();
+    for round in 0..4 {
+        st.memcpy_htod(x, &mut ws.x).unwrap();
+        layer.forward_device(&mut ws, Some(&l)).unwrap();
+        let got = st.clone_dtoh(&ws.out).unwrap();
+        assert!(
+            same_bits(&got, &want),
+            "{label} forward {round}: the handoff differs from the full wait"
+        );
+    }
+}
+
+/// The same between the prefill tiles: every tile and activation feed, skewed routing (expert 5
+/// gets half of the tokens, so its GEMM2 tiles wait for several GEMM1 token tiles), K not a
+/// multiple of 64 (H 2880) and one chunk (I 64), W4A16 and W4A4.
+#[test]
+fn prefill_expert_handoff_matches_the_full_wait_bitwise() {
+    if !common::gpu_available() {
+        return;
+    }
+    for (h, i, act, quant, t) in [
+        (2688, 1856, Activation::Relu2NoMul, QuantMode::W4A16, 1100),
+        (2880, 1856, Activation::Silu, W4A4, 600),
+        (192, 64, Activation::Relu2NoMul, W4A4, 300),
+    ] {
+        let s = spec(h, i, 16, 4, act, quant);
+        let x = random_tokens(t, h, 8400 + h as u64);
+        let w = with_scales(&s, random_weights(&s, 8401).unwrap(), &x);
+        let mut logits = router_logits(&x, w.router.as_ref().unwrap(), h, 16);
+        for tk in (0..t).step_by(2) {
+            logits[tk * 16 + 5] += 30.0;
+        }
+        let mut layer = CudaLayer::new(&s, &w).unwrap();
+        layer.set_gemm_path(Some(GemmPath::Prefill));
+        for (tile, feed) in [
+            (PrefillTile::Small, Some(PrefillFeed::CpAsync)),
+            (PrefillTile::Small, Some(PrefillFeed::Tma)),
+            (PrefillTile::Large, Some(PrefillFeed::Tma)),
+            (PrefillTile::Large, Some(PrefillFeed::TmaMulticast)),
+            (PrefillTile::Large, Some(PrefillFeed::CpAsync)),
+            (PrefillTile::Wide, None),
+            (PrefillTile::Dual, None),
+        ] {
+            layer.set_prefill_tile(Some(tile));
+            layer.set_prefill_feed(feed);
+            let label = format!("H {h} I {i} {act} {quant} T {t} {tile:?} {feed:?}");
+            assert_handoff_bitwise(&mut layer, &x, &logits, &label);
+        }
+        println!("prefill expert handoff H {h} I {i} {act} {quant} T {t}: bitwise the full wait's, every tile and feed");
     }
 }
 

@@ -237,9 +237,10 @@ struct GemmParams {
     gs_out: f32,
     tile_rows: i32,
     experts: i32,
-    /// GEMM2 of the expert-ready handoff: GEMM1's blocks per expert (0: `pdl_wait`).
+    /// GEMM2 of the expert-ready handoff: GEMM1's blocks per expert (0: `pdl_wait`), per token
+    /// tile of `wait_nt` rows where GEMM1 ran prefill tiles (0: decode, one block row).
     wait_blocks: i32,
-    pad_: i32,
+    wait_nt: i32,
 }
 
 // SAFETY: `GemmParams` is `repr(C)`, plain old data, and mirrors the kernel's parameter struct
@@ -733,6 +734,12 @@ impl GemmShape {
         }
     }
 }
+
+/// Mean tokens per routed expert below which the prefill tiles hand GEMM1's rows to GEMM2 per
+/// expert by default (run 145, two rounds: 1.9-2.4 % faster at 12-16 per expert (256 tokens,
+/// both presets), 1.4 % at 64 (Qwen3 1024 tokens), level at 48 (Nemotron 1024), 0.3-0.8 %
+/// slower at 192-1024 (4096-16384 tokens)).
+pub const PREFILL_HANDOFF_BELOW: usize = 128;
 
 /// Routed NVFP4 experts of a gated layer: both decode GEMMs take the deep shape from this many
 /// tokens (run 138: 4.8-11 % faster at 4-64 tokens on Qwen3-30B-A3B; run 137: 19 % slower at 2).
@@ -1726,17 +1733,19 @@ impl CudaLayer {
         self.gemm_shape = shape;
     }
 
-    /// Forces the expert-ready handoff between the routed decode GEMMs on or off (`None`:
-    /// `FP4MOE_EXPERT_HANDOFF=0|1`, else on). It applies where both routed GEMMs run
-    /// `expert_gemm.cu`'s kernels as programmatic launches (sm_90): each GEMM2 block waits for
-    /// its own expert's GEMM1 blocks instead of all of GEMM1. Results are the same bits.
+    /// Forces the expert-ready handoff between the routed GEMMs on or off (`None`:
+    /// `FP4MOE_EXPERT_HANDOFF=0|1`, else on, on the prefill tiles below
+    /// [`PREFILL_HANDOFF_BELOW`] tokens per expert). It applies where both routed GEMMs run
+    /// `expert_gemm.cu`'s mma kernels or the prefill tiles as programmatic launches (sm_90):
+    /// each GEMM2 block waits for its own expert's GEMM1 blocks instead of all of GEMM1.
+    /// Results are the same bits.
     pub fn set_expert_handoff(&mut self, on: Option<bool>) {
         self.expert_handoff = on;
     }
 
     /// Whether a forward of `tokens` tokens runs the expert-ready handoff between its routed
-    /// GEMMs ([`Self::set_expert_handoff`]): on where the routed GEMMs take the decode path on
-    /// `expert_gemm.cu`'s kernels and the device launches programmatic dependents (sm_90).
+    /// GEMMs ([`Self::set_expert_handoff`]): on where the routed GEMMs run `expert_gemm.cu`'s
+    /// mma kernels or the prefill tiles and the device launches programmatic dependents (sm_90).
     pub fn expert_handoff_applies(&self, tokens: usize) -> bool {
         let (e, k) = (self.spec.shape.experts, self.spec.routing.top_k);
         // One token may run as one launch instead.
@@ -1746,9 +1755,10 @@ impl CudaLayer {
     }
 
     /// Whether routed GEMMs over `w13` and `w2` on `path`, `tokens` tokens, hand GEMM1's rows to
-    /// GEMM2 per expert: both on the mma decode kernels (neither prefill, since bf16 weights
-    /// always decode, nor streaming), launched as dependents, and the whole layer launched (a
-    /// graph prefix that stops after GEMM1 would leave counters behind).
+    /// GEMM2 per expert: both on kernels that take part (`expert_gemm.cu`'s mma decode kernels,
+    /// bf16 weights included, and `prefill_gemm.cu`'s tiles; not the streaming kernels),
+    /// launched as dependents, and the whole layer launched (a graph prefix that stops after
+    /// GEMM1 would leave counters behind).
     fn expert_handoff_for(
         &self,
         path: GemmPath,
@@ -1757,16 +1767,18 @@ impl CudaLayer {
         tokens: usize,
     ) -> bool {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
-        let on = self
-            .expert_handoff
-            .or_else(|| tuning_choice(&KNOB, "FP4MOE_EXPERT_HANDOFF", &[("0", false), ("1", true)]))
-            .unwrap_or(true);
+        let forced = self.expert_handoff.or_else(|| {
+            tuning_choice(&KNOB, "FP4MOE_EXPERT_HANDOFF", &[("0", false), ("1", true)])
+        });
+        let (e, k) = (self.spec.shape.experts, self.spec.routing.top_k);
+        let on =
+            forced.unwrap_or(path == GemmPath::Decode || tokens * k < PREFILL_HANDOFF_BELOW * e);
         let nvfp4 = w13.nvfp4 || w2.nvfp4;
         on && self.dev.pdl
             && !self.stops_after(2)
-            && (!nvfp4
-                || (path == GemmPath::Decode
-                    && self.decode_kernel_for(tokens) == DecodeKernel::Mma))
+            && (path == GemmPath::Prefill
+                || !nvfp4
+                || self.decode_kernel_for(tokens) == DecodeKernel::Mma)
     }
 
     /// The decode kernel family of a forward of `tokens` tokens: forced (layer, then
@@ -2453,7 +2465,8 @@ impl CudaLayer {
     /// One prefill GEMM (`prefill_gemm.cu`): grid x over the tile's weight-row tiles
     /// ([`PrefillTile::row_groups`] row groups each), grid y over an upper bound of the (expert,
     /// token tile) work items of `pairs` pairs spread over at most `slots` experts.
-    /// With a TMA `feed`, `sorted_rows` are the activation rows in sorted order.
+    /// With a TMA `feed`, `sorted_rows` are the activation rows in sorted order. Returns the
+    /// row tiles (grid x): the blocks of each token tile.
     #[allow(clippy::too_many_arguments)]
     fn prefill_gemm(
         &self,
@@ -2465,7 +2478,7 @@ impl CudaLayer {
         rg_out: usize,
         pairs: usize,
         slots: usize,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let tiles = prefill_token_tiles(tile, pairs, slots)?;
         let name = gemm.kernel(tile, feed).ok_or_else(|| Error::Cuda {
             stage: "kernel launch",
@@ -2487,7 +2500,7 @@ impl CudaLayer {
             shared_mem_bytes: tile.shared_bytes() as u32,
         };
         if feed == PrefillFeed::CpAsync {
-            return self.launch_gemm(name, cfg, params);
+            return self.launch_gemm(name, cfg, params).map(|_| row_tiles);
         }
         let map =
             tensor_map(sorted_rows, params.k as usize, tile.box_rows()).map_err(|e| match e {
@@ -2505,7 +2518,8 @@ impl CudaLayer {
         // frame for the duration of the call. The map covers `sorted_rows.rows` rows of
         // `sorted_rows.stride` bf16 inside a workspace buffer (`a_sorted`, `xs`, `g`, `sh_g`)
         // that outlives the launch and any graph replaying it; the TMA never reads past it.
-        unsafe { self.launch_ex(name, cfg, cluster, self.dev.pdl, &mut args) }
+        unsafe { self.launch_ex(name, cfg, cluster, self.dev.pdl, &mut args) }?;
+        Ok(row_tiles)
     }
 
     /// The tile and activation feed of one prefill GEMM of reduction length `k` and `rg` output
@@ -2607,7 +2621,7 @@ impl CudaLayer {
                 });
             }
         }
-        // The expert-ready handoff (expert_gemm.cu) between routed decode GEMMs (`routed_params`
+        // The expert-ready handoff (gemm_common.cuh) between the routed GEMMs (`routed_params`
         // points both at the counters); elsewhere no kernel touches them.
         let handoff = routed && self.expert_handoff_for(path, w13, w2, tokens);
         let ready = if handoff { p1.ready } else { 0 };
@@ -2619,7 +2633,9 @@ impl CudaLayer {
         if prefill2 {
             prefill_token_tiles(tile2, pairs, slots)?;
         }
-        let blocks1 = if prefill1 {
+        // GEMM1's blocks per expert (per token tile of `nt1` rows on the prefill tiles; 0 for a
+        // streaming kernel, which does not signal).
+        let (blocks1, nt1) = if prefill1 {
             let gemm = gemm1;
             // The routed operand's rows in sorted order; the shared expert's already are.
             let mut rows = SortedRows {
@@ -2633,8 +2649,8 @@ impl CudaLayer {
                 }
                 rows.ptr = dst;
             }
-            self.prefill_gemm(gemm, tile1, feed1, rows, p1, rg1, pairs, slots)?;
-            0
+            let row_tiles = self.prefill_gemm(gemm, tile1, feed1, rows, p1, rg1, pairs, slots)?;
+            (row_tiles, tile1.tokens())
         } else {
             let name = format!(
                 "gemm1_{}_{}",
@@ -2646,12 +2662,22 @@ impl CudaLayer {
                 (true, true) => Some("stream_gemm1_gated"),
                 (true, false) => Some("stream_gemm1_plain"),
             };
-            self.gemm(&name, stream, w13, p1, rg1, slots, tokens, one_token_slots)?
+            let blocks = self.gemm(&name, stream, w13, p1, rg1, slots, tokens, one_token_slots)?;
+            (blocks as usize, 0)
         };
         if routed && self.stops_after(2) {
             return Ok(());
         }
-        if prefill2 {
+        // GEMM1 signalled per expert only if it ran signalling kernels (blocks1 > 0), which the
+        // handoff's rule makes so.
+        let signalled = ready != 0 && blocks1 > 0;
+        let p2 = GemmParams {
+            wait_blocks: if signalled { blocks1 as i32 } else { 0 },
+            wait_nt: if signalled { nt1 as i32 } else { 0 },
+            ready: if signalled { ready } else { 0 },
+            ..p2
+        };
+        let launched = if prefill2 {
             // GEMM2's operand is GEMM1's output, written in sorted order.
             let rows = SortedRows {
                 ptr: p2.act,
@@ -2668,28 +2694,22 @@ impl CudaLayer {
                 pairs,
                 slots,
             )
+            .map(|_| ())
         } else {
             let stream = w2.nvfp4.then_some("stream_gemm2");
             let name = format!("gemm2_{}", kind(w2));
-            // GEMM1 signalled per expert only if it ran expert_gemm.cu's kernels (blocks1 > 0),
-            // which the handoff's rule makes so.
-            let signalled = ready != 0 && blocks1 > 0;
-            let p2 = GemmParams {
-                wait_blocks: if signalled { blocks1 as i32 } else { 0 },
-                ready: if signalled { ready } else { 0 },
-                ..p2
-            };
-            let launched = self.gemm(&name, stream, w2, p2, rg2, slots, tokens, one_token_slots);
-            if launched.is_err() && signalled {
-                // GEMM1 counted its blocks and no GEMM2 will zero the counters: zero them here
-                // so the next forward's GEMM2 does not wait for counts it never reaches.
-                let n = 2 * p1.experts.max(0) as usize;
-                // SAFETY: `ready` is the workspace's `gemm_ready` buffer of 2·E i32 (p1.experts
-                // = E for routed GEMMs), on this stream.
-                let _ = unsafe { dsys::cuMemsetD32Async(ready, 0, n, self.dev.stream.cu_stream()) };
-            }
-            launched.map(|_| ())
+            self.gemm(&name, stream, w2, p2, rg2, slots, tokens, one_token_slots)
+                .map(|_| ())
+        };
+        if launched.is_err() && signalled {
+            // GEMM1 counted its blocks and no GEMM2 will zero the counters: zero them here so
+            // the next forward's GEMM2 does not wait for counts it never reaches.
+            let n = 2 * p1.experts.max(0) as usize;
+            // SAFETY: `ready` is the workspace's `gemm_ready` buffer of 2·E i32 (p1.experts = E
+            // for routed GEMMs), on this stream.
+            let _ = unsafe { dsys::cuMemsetD32Async(ready, 0, n, self.dev.stream.cu_stream()) };
         }
+        launched
     }
 
     /// `dst[i] = act[sorted[i] / top_k]` for the `pairs` sorted pairs of `p1` (`gather_rows`).
@@ -3633,7 +3653,7 @@ mod tests {
             "tile_rows",
             "experts",
             "wait_blocks",
-            "pad_",
+            "wait_nt",
         ];
         assert_eq!(scalars, want);
         assert_eq!(body.matches('*').count(), 12);
