@@ -128,9 +128,9 @@ __device__ __forceinline__ float apply_activation(int act, float h, float up) {
 // read (or anything it reads be written) before it. pdl_launch_dependents() lets the next kernel
 // start once every block of this one has called it (or exited); every kernel launched so (the
 // routing kernels, each GEMM and the combine) calls it right after its wait, so a successor never
-// starts before this kernel's predecessor is done. (The routed decode GEMM2 on the expert-ready
-// handoff waits per expert instead, and one of its threads calls pdl_wait before exiting, which
-// keeps the chain: expert_gemm.cu.)
+// starts before this kernel's predecessor is done. (The routed GEMM2 on the expert-ready handoff
+// waits per expert instead, and one of its threads calls pdl_wait before exiting, which keeps
+// the chain: gemm_common.cuh.)
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

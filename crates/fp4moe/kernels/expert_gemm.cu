@@ -38,10 +38,10 @@ __device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4],
 
 // The A fragment of k block j of a 64-wide group: packed word w, the lane's eight scale codes s
 // (byte 2j: row g, 2j + 1: row g + 8), dequantized in registers without tables (products carry
-// 2^-8, undone in the epilogue). The two-subtile and four-subtile kernels read 256-entry
-// shared-memory tables until run 144: their lookups kept the L1/shared pipe 64 % busy at T = 1
-// (KERNEL_NOTES run 23) and without them the wide two-subtile GEMMs took 37-39 % less time (run
-// 128, Nemotron, 64-256 tokens).
+// 2^-8, undone in the epilogue). Shared-memory tables are gone: their lookups kept the L1/shared
+// pipe 64 % busy at T = 1 (KERNEL_NOTES run 23), without them the wide two-subtile GEMMs took
+// 37-39 % less time (run 128, Nemotron, 64-256 tokens), and the four-subtile and narrow
+// two-subtile kernels, run only when forced, read them until run 144.
 __device__ __forceinline__ void decode_fragment(u32 w, uint2 s, int j, u32 a[4]) {
     dequant_fragment_alu(w, scale_pairs(s, j), a);  // both rows' scales in one swizzled pair
 }

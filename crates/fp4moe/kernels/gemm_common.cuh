@@ -41,8 +41,8 @@ struct GemmParams {
     float gs_out;    // GEMM1 W4A4: global scale of the intermediate QDQ; 0: store bf16(g)
     int tile_rows;   // expert_stream.cu: activation rows per pass (the rows its shared memory holds)
     int experts;     // experts `offsets` covers (offsets[0] .. offsets[experts]; prefill_gemm.cu's find_tile)
-    int wait_blocks; // GEMM2: > 0 waits for GEMM1's blocks of its expert on `ready` instead of pdl_wait:
-    int wait_nt;     // wait_blocks per GEMM1 token tile of wait_nt rows (prefill), or wait_blocks (0)
+    int wait_blocks; // GEMM2: > 0 waits for GEMM1's blocks of its expert on `ready` instead of pdl_wait
+    int wait_nt;     // GEMM1's token tile (prefill: wait_blocks per tile of its expert), 0: decode
 };
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -121,8 +121,8 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 // blocks of e) zeroes both counters for the next forward: every GEMM1 add of e came before, and
 // the next forward's GEMM1 runs after this GEMM2 has finished (every launch in between waits for
 // its predecessor). No deadlock: every GEMM1 block has started (and passed its own wait) before
-// any GEMM2 block launches. After the acquire a proxy fence orders the TMA reads of GEMM1's rows
-// (prefill; the async proxy) after it. Before the wait GEMM2 reads the grouping only through L2
+// any GEMM2 block launches. After the acquire and the block barrier a proxy fence in every
+// thread orders the TMA reads of GEMM1's rows (prefill; the async proxy) after it. Before the wait GEMM2 reads the grouping only through L2
 // (the routing that wrote it finished before GEMM1's blocks passed their wait). Block (0, 0)'s
 // thread 0 still calls pdl_wait before it exits (gemm_exit), so GEMM2's completion implies
 // GEMM1's (the chain common.cuh's pdl_launch_dependents relies on): GEMM1's blocks of inactive
@@ -153,15 +153,17 @@ __device__ __forceinline__ void expert_ready_wait(const GemmParams& p, int e, in
             if (global_ns() - t0 > EXPERT_READY_TIMEOUT_NS) __trap();
             __nanosleep(100);
         }
-#if __CUDA_ARCH__ >= 900
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-#endif
         if (atomicAdd(p.ready + p.experts + e, 1) == consumers - 1) {
             p.ready[e] = 0;
             p.ready[p.experts + e] = 0;
         }
     }
     __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    // In every thread: any of them may issue the block's TMA copies (the 32-token prefill tiles
+    // rotate the issuing warp).
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
 }
 // A GEMM kernel's first and last statements: GEMM2 on the handoff skips pdl_wait (each block
 // waits for its expert instead) and block (0, 0) waits at exit (see above).

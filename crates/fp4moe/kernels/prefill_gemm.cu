@@ -1,5 +1,5 @@
 // Expert GEMMs of the prefill path (tens to thousands of tokens per expert) on tensor-core tiles.
-// Formulas and epilogues are gemm_common.cuh's, the packed NVFP4 weight layout expert_gemm.cu's.
+// Formulas and epilogues are gemm_common.cuh's, the packed NVFP4 weight layout cuda/pack.rs's.
 //
 // Tile: a block owns SLOTS ring slots of 16 weight rows x up to NT tokens of one expert:
 // SLOTS = 16 (256 rows) with PF_NT = 128 (prefill_gemm*, prefill_tma*: four warpgroups, one
@@ -16,7 +16,7 @@
 // With HALVES = 2 (small tiles, 8 warps, 2 blocks per SM) warp w computes slots w and 8 + w.
 // Every 64-wide k chunk goes through a PF_STAGES-deep cp.async ring in shared
 // memory: the SLOTS row groups' packed NVFP4 data (512 bytes each, the mma A fragments, see
-// expert_gemm.cu) and scales (64 bytes each), and the tile's activation rows (gathered through
+// cuda/pack.rs) and scales (64 bytes each), and the tile's activation rows (gathered through
 // the sorted pairs) in the no-swizzle K-major core-matrix layout wgmma reads B from:
 //     byte (n, k) of the B part = (n / 8)·1024 + (k / 8)·128 + (n % 8)·16 + (k % 8)·2
 // (LBO, the next 8 k, = 128 bytes; SBO, the next 8 tokens, = 1024 bytes). Copy i of a round

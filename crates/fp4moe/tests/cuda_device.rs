@@ -904,9 +904,10 @@ fn assert_handoff_bitwise(layer: &mut CudaLayer, x: &[f32], logits: &[f32], labe
     }
 }
 
-/// The same between the prefill tiles: every tile and activation feed, skewed routing (expert 5
-/// gets half of the tokens, so its GEMM2 tiles wait for several GEMM1 token tiles), K not a
-/// multiple of 64 (H 2880) and one chunk (I 64), W4A16 and W4A4.
+/// The same between the prefill tiles: every tile and activation feed, and the default plan,
+/// skewed routing (expert 5 gets half of the tokens, so its GEMM2 tiles wait for several GEMM1
+/// token tiles), K not a multiple of 64 (H 2880) and one chunk (I 64), W4A16 and W4A4. The
+/// handoff is forced on (by default the prefill tiles take it below 128 tokens per expert).
 #[test]
 fn prefill_expert_handoff_matches_the_full_wait_bitwise() {
     if !common::gpu_available() {
@@ -934,8 +935,14 @@ fn prefill_expert_handoff_matches_the_full_wait_bitwise() {
             (PrefillTile::Large, Some(PrefillFeed::CpAsync)),
             (PrefillTile::Wide, None),
             (PrefillTile::Dual, None),
-        ] {
-            layer.set_prefill_tile(Some(tile));
+        ]
+        .map(|(tile, feed)| (Some(tile), feed))
+        .into_iter()
+        // The default plan: at 275 tokens per expert (T 1100) 256-token tiles for GEMM1 and dual
+        // ones for GEMM2, whose blocks then wait for a GEMM1 token tile of another size.
+        .chain([(None, None)])
+        {
+            layer.set_prefill_tile(tile);
             layer.set_prefill_feed(feed);
             let label = format!("H {h} I {i} {act} {quant} T {t} {tile:?} {feed:?}");
             assert_handoff_bitwise(&mut layer, &x, &logits, &label);

@@ -208,7 +208,8 @@ impl Device {
     }
 }
 
-/// Parameters of `expert_gemm.cu`'s kernels; the layout matches `struct GemmParams` there.
+/// Parameters of the expert GEMM kernels (`expert_gemm.cu`, `expert_stream.cu`,
+/// `prefill_gemm.cu`); the layout matches `struct GemmParams` in `gemm_common.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct GemmParams {
@@ -513,8 +514,8 @@ pub struct CudaWorkspace {
     sh_ones: CudaSlice<f32>,
     sh_g: CudaSlice<u16>,
     sh_o: CudaSlice<u16>,
-    /// `[2·E]`: the routed decode GEMMs' expert-ready counters (expert_gemm.cu), zero between
-    /// forwards.
+    /// `[2·E]`: the routed GEMMs' expert-ready counters (`expert_ready_wait` in
+    /// gemm_common.cuh), zero between forwards.
     gemm_ready: CudaSlice<i32>,
 }
 
@@ -1771,9 +1772,10 @@ impl CudaLayer {
             tuning_choice(&KNOB, "FP4MOE_EXPERT_HANDOFF", &[("0", false), ("1", true)])
         });
         let (e, k) = (self.spec.shape.experts, self.spec.routing.top_k);
-        let on =
-            forced.unwrap_or(path == GemmPath::Decode || tokens * k < PREFILL_HANDOFF_BELOW * e);
         let nvfp4 = w13.nvfp4 || w2.nvfp4;
+        // bf16 weights take the decode kernels on either path.
+        let prefill_tiles = path == GemmPath::Prefill && nvfp4;
+        let on = forced.unwrap_or(!prefill_tiles || tokens * k < PREFILL_HANDOFF_BELOW * e);
         on && self.dev.pdl
             && !self.stops_after(2)
             && (path == GemmPath::Prefill
@@ -2040,8 +2042,8 @@ impl CudaLayer {
     /// Launches kernel `name`, with programmatic stream serialization when `pdl` (pass
     /// `self.dev.pdl`: sm_90+, unless `FP4MOE_PDL=0`): it may start while the previous kernel
     /// of the stream finishes and waits for it in `pdl_wait()` (common.cuh), which every kernel
-    /// launched so calls before touching its predecessor's outputs (the routed decode GEMM2 on
-    /// the expert-ready handoff waits for its expert's GEMM1 blocks instead: expert_gemm.cu).
+    /// launched so calls before touching its predecessor's outputs (the routed GEMM2 on the
+    /// expert-ready handoff waits for its expert's GEMM1 blocks instead: gemm_common.cuh).
     /// Captured graphs keep the programmatic edge.
     ///
     /// `cluster` > 1 launches clusters of that many blocks along x (grid x a multiple of it).

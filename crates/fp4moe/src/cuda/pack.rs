@@ -1,7 +1,7 @@
 //! Weight layouts of the CUDA kernels (`kernels/expert_gemm.cu`, `expert_stream.cu`,
 //! `prefill_gemm.cu`): each lane of a warp
 //! loads its mma.sync A fragment with one 16-byte load, so no shuffles or shared memory stand
-//! between global memory and the tensor cores. Pure byte permutations, tested on the CPU.
+//! between global memory and the tensor cores. Pure bit and byte permutations, tested on the CPU.
 //!
 //! NVFP4, per expert, row group `rg` (16 rows) and 64-wide k group `kg` (four 16-wide blocks):
 //! - data, 512 bytes: lane `L = 4g + q`, little-endian word `16L + 4j` holds the E2M1 codes of
