@@ -742,6 +742,14 @@ impl GemmShape {
 /// slower at 192-1024 (4096-16384 tokens)).
 pub const PREFILL_HANDOFF_BELOW: usize = 128;
 
+/// Whether routed GEMMs on `path` over `pairs` routed pairs of `experts` experts take the
+/// expert-ready handoff unless forced: the decode kernels always (bf16 weights take them on
+/// either path), the prefill tiles below [`PREFILL_HANDOFF_BELOW`] mean tokens per expert.
+fn handoff_by_default(path: GemmPath, nvfp4: bool, pairs: usize, experts: usize) -> bool {
+    let prefill_tiles = path == GemmPath::Prefill && nvfp4;
+    !prefill_tiles || pairs < PREFILL_HANDOFF_BELOW * experts
+}
+
 /// Routed NVFP4 experts of a gated layer: both decode GEMMs take the deep shape from this many
 /// tokens (run 138: 4.8-11 % faster at 4-64 tokens on Qwen3-30B-A3B; run 137: 19 % slower at 2).
 pub const DEEP_GATED_FROM_TOKENS: usize = 4;
@@ -1773,9 +1781,7 @@ impl CudaLayer {
         });
         let (e, k) = (self.spec.shape.experts, self.spec.routing.top_k);
         let nvfp4 = w13.nvfp4 || w2.nvfp4;
-        // bf16 weights take the decode kernels on either path.
-        let prefill_tiles = path == GemmPath::Prefill && nvfp4;
-        let on = forced.unwrap_or(!prefill_tiles || tokens * k < PREFILL_HANDOFF_BELOW * e);
+        let on = forced.unwrap_or_else(|| handoff_by_default(path, nvfp4, tokens * k, e));
         on && self.dev.pdl
             && !self.stops_after(2)
             && (path == GemmPath::Prefill
@@ -3520,6 +3526,21 @@ mod tests {
             compile::kernel_text("gemm_common.cuh").contains(&define),
             "{define}"
         );
+    }
+
+    #[test]
+    fn handoff_default_follows_the_path_and_tokens_per_expert() {
+        use GemmPath::{Decode, Prefill};
+        // Nemotron-3 Nano (top-6 of 128): 256 tokens = 12 per expert, 2730 = 127.97, 2731 = 128.02.
+        let nemotron = |t: usize| t * 6;
+        assert!(handoff_by_default(Decode, true, nemotron(64), 128));
+        assert!(handoff_by_default(Prefill, true, nemotron(256), 128));
+        assert!(handoff_by_default(Prefill, true, nemotron(2730), 128));
+        assert!(!handoff_by_default(Prefill, true, nemotron(2731), 128));
+        assert!(!handoff_by_default(Prefill, true, nemotron(4096), 128));
+        // bf16 weights run the decode kernels at any size.
+        assert!(handoff_by_default(Prefill, false, nemotron(16384), 128));
+        assert!(handoff_by_default(Decode, true, nemotron(16384), 128));
     }
 
     #[test]
