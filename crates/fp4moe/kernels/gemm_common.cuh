@@ -122,8 +122,9 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 // the next forward's GEMM1 runs after this GEMM2 has finished (every launch in between waits for
 // its predecessor). No deadlock: every GEMM1 block has started (and passed its own wait) before
 // any GEMM2 block launches. After the acquire and the block barrier a proxy fence in every
-// thread orders the TMA reads of GEMM1's rows (prefill; the async proxy) after it. Before the wait GEMM2 reads the grouping only through L2
-// (the routing that wrote it finished before GEMM1's blocks passed their wait). Block (0, 0)'s
+// thread orders the TMA reads of GEMM1's rows (prefill; the async proxy) after it. Before the
+// wait GEMM2 reads the grouping only through L2 (the routing that wrote it finished before
+// GEMM1's blocks passed their wait). Block (0, 0)'s
 // thread 0 still calls pdl_wait before it exits (gemm_exit), so GEMM2's completion implies
 // GEMM1's (the chain common.cuh's pdl_launch_dependents relies on): GEMM1's blocks of inactive
 // slots or tiles read the grouping after they let GEMM2 launch, and the next forward's routing
