@@ -145,7 +145,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         }
 
         if (STAGE == 2 && p.wait_blocks > 0 && t0 == 0)
-            expert_ready_wait(p, e, expert_ready_target(p, n_e), gridDim.x);
+            expert_ready_wait(p, e, n_e, gridDim.x);
 
         // Activation staging by cp.async (zero-fill past K and for the tile's empty rows), so
         // every piece of a lane is in flight at once: plain loads and stores took one L2 round

@@ -116,7 +116,7 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 // finished) each waits only for its own expert's rows. ready[e] counts the GEMM1 blocks of
 // expert e that have stored their rows (block barrier, fence, add: the pattern of cooperative
 // groups' grid sync); a GEMM2 block of expert e proceeds when it reaches GEMM1's blocks of e
-// (expert_ready_target), so GEMM2 fills the SMs GEMM1's last partial wave leaves idle. The last
+// (expert_ready_wait), so GEMM2 fills the SMs GEMM1's last partial wave leaves idle. The last
 // GEMM2 block of e through the wait (ready[experts + e] counts them against `consumers`, GEMM2's
 // blocks of e) zeroes both counters for the next forward: every GEMM1 add of e came before, and
 // the next forward's GEMM1 runs after this GEMM2 has finished (every launch in between waits for
@@ -138,13 +138,11 @@ __device__ __forceinline__ void expert_ready_signal(const GemmParams& p, int e) 
         atomicAdd(p.ready + e, 1);
     }
 }
-// GEMM1's blocks of an expert with n_e rows: wait_blocks per token tile of wait_nt rows (prefill
-// tiles), or wait_blocks (wait_nt 0: a decode block covers all of its expert's rows).
-__device__ __forceinline__ int expert_ready_target(const GemmParams& p, int n_e) {
-    return p.wait_nt > 0 ? p.wait_blocks * ((n_e + p.wait_nt - 1) / p.wait_nt) : p.wait_blocks;
-}
-__device__ __forceinline__ void expert_ready_wait(const GemmParams& p, int e, int target, int consumers) {
+// Waits for GEMM1's blocks of expert e (n_e rows): wait_blocks per token tile of wait_nt rows
+// (prefill tiles), or wait_blocks (wait_nt 0: a decode block covers all of its expert's rows).
+__device__ __forceinline__ void expert_ready_wait(const GemmParams& p, int e, int n_e, int consumers) {
     if (threadIdx.x == 0) {
+        const int target = p.wait_nt > 0 ? p.wait_blocks * ((n_e + p.wait_nt - 1) / p.wait_nt) : p.wait_blocks;
         const unsigned long long t0 = global_ns();
         for (;;) {
             int c;

@@ -681,7 +681,7 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     const int base = tile[2], n_e = tile[3];
     // The expert-ready handoff (gemm_common.cuh): GEMM2's blocks of e, one per row tile and token tile.
     if (STAGE == 2 && p.wait_blocks > 0)
-        expert_ready_wait(p, e, expert_ready_target(p, n_e), gridDim.x * ((n_e + NT - 1) / NT));
+        expert_ready_wait(p, e, n_e, gridDim.x * ((n_e + NT - 1) / NT));
     const int nvalid = min(NT, n_e - t0);
     PairTable* pairs = reinterpret_cast<PairTable*>(smem_raw + PF_PAIRS_OFFSET);
     if (STAGE == 2) {
