@@ -340,7 +340,7 @@ mod tests {
         let h = 4 * (j / 2);
         let w = scale_word([codes[h], codes[h + 1], codes[h + 2], codes[h + 3]]);
         let v = if j % 2 == 1 { w.rotate_right(8) } else { w };
-        v & 0x0FF0_0FF0 | u32::from(SCALE_T_OR) * 0x0001_0001
+        (v & 0x0FF0_0FF0) | (u32::from(SCALE_T_OR) * 0x0001_0001)
     }
 
     #[test]
