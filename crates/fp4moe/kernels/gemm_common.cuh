@@ -205,14 +205,21 @@ __device__ __forceinline__ u32 e2m1x2_scaled_bits(u32 w) {
 }
 
 // (S'_g, S'_g+8) = the block scales of rows g and g + 8 times 2^118 as a bf16 pair, for k block
-// j of the lane's eight scale codes `s` (cuda/pack.rs: byte 2j row g's code, 2j + 1 row g + 8's,
-// re-encoded at upload so that this is one permute, which spreads the two codes of half j % 2
-// of word j / 2 to bytes 0 and 2, and one integer multiply-add; the E4M3 conversion it
-// replaces took ~9 operations per two scales).
-#define SCALE_PAIR_BIAS 0x75807580u
+// j of the lane's eight scale codes `s` (cuda/pack.rs scale_word: block j's codes at bits 4..12
+// and 20..28 of word j / 2, rotated left by 8 for an odd j; each code re-encoded at upload so
+// that its bf16 bits are the code times 16 OR constant bits): a mask and an OR, after a rotate
+// for an odd block (a byte permute and a multiply-add before run 148; the E4M3 conversion they
+// replaced took ~9 operations per two scales).
+#define SCALE_PAIR_OR 0x70007000u
 __device__ __forceinline__ u32 scale_pairs(uint2 s, int j) {
-    const u32 lo = 2u * (u32)(j & 1);
-    return __byte_perm(j < 2 ? s.x : s.y, 0, 0x4040u | lo | ((lo + 1) << 8)) * 0x10u + SCALE_PAIR_BIAS;
+    const u32 w = j < 2 ? s.x : s.y;
+    const u32 v = (j & 1) ? __funnelshift_r(w, w, 8) : w;
+    // One three-input logic operation, (v & mask) | bits: written as lop3 so that ptxas keeps one
+    // of its two constants in a register (from `&` and `|` it emitted two LOP3s, each with an
+    // immediate).
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(v), "n"(0x0FF00FF0u), "r"(SCALE_PAIR_OR));
+    return r;
 }
 
 // One mma A fragment (16 rows x 16 k) times 2^-8: `word` is the lane's packed word for its k

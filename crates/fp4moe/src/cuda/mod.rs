@@ -3520,8 +3520,8 @@ mod tests {
 
     #[test]
     fn scale_code_biases_match_the_kernels() {
-        let pair = u32::from(pack::SCALE_T_BIAS) * 0x0001_0001;
-        let define = format!("#define SCALE_PAIR_BIAS {pair:#010x}u\n");
+        let pair = u32::from(pack::SCALE_T_OR) * 0x0001_0001;
+        let define = format!("#define SCALE_PAIR_OR {pair:#010x}u\n");
         assert!(
             compile::kernel_text("gemm_common.cuh").contains(&define),
             "{define}"

@@ -11,17 +11,18 @@
 //!   (register 0), a shift and a mask (1), or a mask, an integer multiply and a mask (2; 3 after
 //!   a shift right by 8): seven logic or shift operations and three multiplies per fragment
 //!   (`kernels/gemm_common.cuh`);
-//! - scales, 64 bytes: `8g + 2j` = scale code of row g, block `4kg + j`; `8g + 2j + 1` = row
-//!   g + 8. Lane `4g + q` loads its eight codes as one 8-byte word; both rows' codes of block j
-//!   sit in one 16-bit half of it, so one byte permute and one integer multiply-add give the
-//!   bf16 pair (S_g, S_g+8), whose halves the bf16 multiplies take as operand swizzles.
+//! - scales, 64 bytes: lane `4g + q` loads its eight codes (rows g and g + 8 of k blocks
+//!   `4kg + 0..4`) as two 32-bit words at `8g`, [`scale_word`] of blocks 0, 1 and of 2, 3: the
+//!   even block's two codes at bits 4..12 (row g) and 20..28 (row g + 8), the odd block's the
+//!   same rotated left by 8, so a mask (after a rotate for the odd block) and an OR give the bf16
+//!   pair (S_g, S_g+8), whose halves the bf16 multiplies take as operand swizzles.
 //!
-//! Scale codes ([`scale_code`]): the E4M3 block scale S re-encoded so that one integer
-//! multiply-add gives a bf16 pair on the device: with T = S · 2^118 (bf16 exponent field F in
-//! 236..=253 for every nonzero E4M3 value, subnormals included, and a 3-bit mantissa m3), the
-//! code is `(F − 235)·8 + m3` (8..=151) and `code · 16 + 0x7580` are T's bf16 bits; `code ·
-//! 0x0010_0010 + 0x7580_7580` the pair (T, T). Zero scales get code 0, whose decoded value is
-//! nonzero, so the codes of a zero-scale block are zeroed (its values are 0 either way).
+//! Scale codes ([`scale_code`]): the E4M3 block scale S re-encoded so that an OR gives its bf16
+//! bits on the device: with T = S · 2^118 (bf16 exponent field F in 236..=253 for every nonzero
+//! E4M3 value, subnormals included, so F's top three bits are always 111, and a 3-bit mantissa
+//! m3), the code is `(F − 224)·8 + m3` (96..=239) and `0x7000 | code · 16` are T's bf16 bits.
+//! Zero scales get code 0, whose decoded value is nonzero, so the codes of a zero-scale block are
+//! zeroed (its values are 0 either way).
 //!
 //! K is padded to a multiple of 64 with zero codes and zero scale codes.
 //!
@@ -31,8 +32,8 @@
 use crate::weights::ExpertStack;
 use half::bf16;
 
-/// Offset of a scale code's decoded bf16 bits: `235 << 7` (T = S · 2^118).
-pub const SCALE_T_BIAS: u16 = 235 << 7;
+/// The bits a scale code's decoded bf16 T = S · 2^118 always has: F's top three bits, `224 << 7`.
+pub const SCALE_T_OR: u16 = 224 << 7;
 
 /// The device scale code of E4M3 byte `b` (see the module docs); 0 for zero. Bytes the weights'
 /// validation rejects (sign bit set, NaN) map to 0 as well.
@@ -44,7 +45,7 @@ pub fn scale_code(b: u8) -> u8 {
     // Exact: an E4M3 value times 2^118 is a bf16 with at most 3 mantissa bits.
     let t = (v * 2f32.powi(118)).to_bits();
     let (f, m3) = ((t >> 23) & 0xFF, (t >> 20) & 7);
-    ((f - 235) * 8 + m3) as u8
+    ((f - 224) * 8 + m3) as u8
 }
 
 /// The E4M3 byte of scale code `c` ([`scale_code`]'s inverse on valid scales; 0 for code 0).
@@ -52,8 +53,22 @@ pub fn scale_e4m3(c: u8) -> u8 {
     if c == 0 {
         return 0;
     }
-    let t = f32::from_bits(u32::from(c as u16 * 16 + SCALE_T_BIAS) << 16);
+    let t = f32::from_bits(u32::from(SCALE_T_OR | u16::from(c) << 4) << 16);
     crate::format::e4m3::encode_sat(t * 2f32.powi(-118))
+}
+
+/// The scale word of two k blocks from `codes` = [row g's of the even block, row g + 8's, row
+/// g's of the odd block, row g + 8's] (see the module docs).
+pub fn scale_word(codes: [u8; 4]) -> u32 {
+    let pair = |g: u8, g8: u8| u32::from(g) << 4 | u32::from(g8) << 20;
+    pair(codes[0], codes[1]) | pair(codes[2], codes[3]).rotate_left(8)
+}
+
+/// Inverse of [`scale_word`].
+pub fn scale_word_codes(w: u32) -> [u8; 4] {
+    let unpair = |p: u32| [(p >> 4) as u8, (p >> 20) as u8];
+    let ([a, b], [c, d]) = (unpair(w), unpair(w.rotate_right(8)));
+    [a, b, c, d]
 }
 
 /// Where [`fragment_word`] puts A-fragment register i's two codes: bit b of the pair byte (low
@@ -113,6 +128,7 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
                 let (g, q) = (lane / 4, lane % 4);
                 let rows = [rg * 16 + g, rg * 16 + g + 8];
                 for kgi in 0..kg {
+                    let mut lane_codes = [0u8; 8]; // 2j: row g's code of block j, 2j + 1: g + 8's
                     for j in 0..4 {
                         let kb = kgi * 4 + j;
                         if kb >= blocks {
@@ -133,10 +149,14 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
                             keep(rows[1], at(rows[1], 4 + q)),
                         ];
                         data[o..o + 4].copy_from_slice(&fragment_word(pairs).to_le_bytes());
-                        if q == 0 {
-                            let so = (tile + kgi) * 64 + 8 * g;
-                            scales[so + 2 * j] = code(rows[0]);
-                            scales[so + 2 * j + 1] = code(rows[1]);
+                        lane_codes[2 * j] = code(rows[0]);
+                        lane_codes[2 * j + 1] = code(rows[1]);
+                    }
+                    if q == 0 {
+                        let so = (tile + kgi) * 64 + 8 * g;
+                        for (h, four) in lane_codes.chunks_exact(4).enumerate() {
+                            let w = scale_word([four[0], four[1], four[2], four[3]]);
+                            scales[so + 4 * h..so + 4 * h + 4].copy_from_slice(&w.to_le_bytes());
                         }
                     }
                 }
@@ -175,11 +195,18 @@ pub fn unpack_nvfp4(
                     packed[dst + 4 + q] = pairs[2 + hi];
                 }
                 lin[(e * rows + r) * cols / 16 + kb] =
-                    scale_e4m3(scales[tile * 64 + 8 * g + 2 * j + hi]);
+                    scale_e4m3(scale_code_at(scales, tile, g, j, hi));
             }
         }
     }
     (packed, lin)
+}
+
+/// The scale code of row g (`hi` 0) or g + 8 (`hi` 1), k block j, of k-group tile `tile`.
+fn scale_code_at(scales: &[u8], tile: usize, g: usize, j: usize, hi: usize) -> u8 {
+    let o = tile * 64 + 8 * g + 4 * (j / 2);
+    let w = u32::from_le_bytes([scales[o], scales[o + 1], scales[o + 2], scales[o + 3]]);
+    scale_word_codes(w)[2 * (j % 2) + hi]
 }
 
 /// Prepared bf16 matrix `[rows, cols]` (rows a multiple of 16) in A-fragment order.
@@ -254,12 +281,10 @@ mod tests {
                     let want = if k % 2 == 0 { b & 0xF } else { b >> 4 };
                     assert_eq!(read_back(&data, rows, kg, e, r, k), want, "e{e} r{r} k{k}");
                     let (rg, r16, kgi, j) = (r / 16, r % 16, k / 64, (k % 64) / 16);
-                    let so = ((e * rows / 16 + rg) * kg + kgi) * 64
-                        + 8 * (r16 % 8)
-                        + 2 * j
-                        + usize::from(r16 >= 8);
+                    let tile = (e * rows / 16 + rg) * kg + kgi;
+                    let got = scale_code_at(&scales, tile, r16 % 8, j, usize::from(r16 >= 8));
                     let want = s.scales[(e * rows + r) * cols / 16 + k / 16];
-                    assert_eq!(scales[so], scale_code(want));
+                    assert_eq!(got, scale_code(want));
                 }
             }
         }
@@ -270,7 +295,7 @@ mod tests {
     /// Every valid E4M3 scale: the device's decode gives T = S · 2^118 exactly as bf16 (the pair
     /// of both rows, `scale_pairs`), and the code maps back to the byte.
     #[test]
-    fn scale_codes_decode_exactly_with_one_multiply_add() {
+    fn scale_codes_decode_exactly_with_a_mask_and_an_or() {
         for b in 0u8..=0x7E {
             let s = crate::format::e4m3::decode(b);
             let c = scale_code(b);
@@ -279,10 +304,10 @@ mod tests {
                 assert_eq!(c, 0);
                 continue;
             }
-            assert!((8..=151).contains(&c), "byte {b:#x}: code {c}");
+            assert!((96..=239).contains(&c), "byte {b:#x}: code {c}");
             let t = bf16::from_f32(s * 2f32.powi(118));
             assert_eq!(t.to_f32(), s * 2f32.powi(118), "byte {b:#x}: T not a bf16");
-            // Both rows' codes of a block through the device's permute and multiply-add
+            // Both rows' codes of a block through the device's rotate, mask and OR
             // (`scale_pairs`): this code as row g's and, as row g + 8's, every other valid one.
             for b8 in (0u8..=0x7E).step_by(5) {
                 let c8 = scale_code(b8);
@@ -293,7 +318,7 @@ mod tests {
                     codes[2 * j + 1] = c8;
                     let want = u32::from(t.to_bits()) | u32::from(t8.to_bits()) << 16;
                     let want = if c8 == 0 {
-                        want & 0xFFFF | 0x7580 << 16
+                        want & 0xFFFF | u32::from(SCALE_T_OR) << 16
                     } else {
                         want
                     };
@@ -309,26 +334,25 @@ mod tests {
         assert_eq!(scale_code(0x81), 0); // negative
     }
 
-    /// CUDA's `__byte_perm(x, y, sel)`: byte n of the result is byte `(sel >> 4n) & 7` of the
-    /// eight bytes of `y:x` (x bytes 0–3).
-    fn byte_perm(x: u32, y: u32, sel: u32) -> u32 {
-        let bytes = [x.to_le_bytes(), y.to_le_bytes()].concat();
-        u32::from_le_bytes(std::array::from_fn(|n| {
-            bytes[((sel >> (4 * n)) & 7) as usize]
-        }))
-    }
-
-    /// The 32-bit half of a lane's eight scale codes that holds block j (`j < 2 ? s.x : s.y`).
-    fn scale_word(codes: [u8; 8], j: usize) -> u32 {
-        u32::from_le_bytes(std::array::from_fn(|n| codes[4 * (j / 2) + n]))
-    }
-
-    /// The device's `scale_pairs` (kernels/gemm_common.cuh), same selector and multiply-add.
+    /// The device's `scale_pairs` (kernels/gemm_common.cuh): the word of block j (`j < 2 ? s.x
+    /// : s.y`), rotated right by 8 for an odd block, masked, OR the constant bits.
     fn device_scale_pairs(codes: [u8; 8], j: usize) -> u32 {
-        let lo = 2 * (j as u32 & 1);
-        byte_perm(scale_word(codes, j), 0, 0x4040 | lo | (lo + 1) << 8)
-            .wrapping_mul(0x10)
-            .wrapping_add(0x7580_7580)
+        let h = 4 * (j / 2);
+        let w = scale_word([codes[h], codes[h + 1], codes[h + 2], codes[h + 3]]);
+        let v = if j % 2 == 1 { w.rotate_right(8) } else { w };
+        (v & 0x0FF0_0FF0) | (u32::from(SCALE_T_OR) * 0x0001_0001)
+    }
+
+    #[test]
+    fn scale_words_round_trip() {
+        let mut x = 0x2545_F491u32;
+        for _ in 0..1000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            let codes = x.to_le_bytes();
+            assert_eq!(scale_word_codes(scale_word(codes)), codes);
+        }
     }
 
     /// The device's extraction (`e2m1x2_scaled_bits` in kernels/gemm_common.cuh), bit for bit.
@@ -410,7 +434,7 @@ mod tests {
             assert_eq!(read_back(&data, rows, 1, 0, 0, k), 0, "k{k}");
         }
         assert_ne!(read_back(&data, rows, 1, 0, 0, 0), 0);
-        assert_eq!(scales[2], 0); // row 0 (g 0), block 1: byte 8·0 + 2·1
+        assert_eq!(scale_code_at(&scales, 0, 0, 1, 0), 0); // row 0 (g 0), block 1
         let (packed, lin) = unpack_nvfp4(&data, &scales, experts, rows, cols);
         assert_eq!(lin, s.scales);
         assert!(packed[8..16].iter().all(|&b| b == 0));
