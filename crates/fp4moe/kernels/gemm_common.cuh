@@ -165,15 +165,18 @@ __device__ __forceinline__ void expert_ready_wait(const GemmParams& p, int e, in
 #endif
 }
 // A GEMM kernel's first and last statements: GEMM2 on the handoff skips pdl_wait (each block
-// waits for its expert instead) and block (0, 0) waits at exit (see above).
-template <int STAGE>
+// waits for its expert instead) and block (0, 0) waits at exit (see above). DEFER (the prefill
+// tiles): GEMM2 always waits in the tile, after requesting its first weights (pdl_wait off the
+// handoff), so block (0, 0) also waits at exit, for a grid with no tile.
+template <int STAGE, bool DEFER = false>
 __device__ __forceinline__ void gemm_enter(const GemmParams& p) {
-    if (STAGE == 1 || p.wait_blocks == 0) pdl_wait();
+    if (STAGE == 1 || (!DEFER && p.wait_blocks == 0)) pdl_wait();
     pdl_launch_dependents();
 }
-template <int STAGE>
+template <int STAGE, bool DEFER = false>
 __device__ __forceinline__ void gemm_exit(const GemmParams& p) {
-    if (STAGE == 2 && p.wait_blocks > 0 && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) pdl_wait();
+    if (STAGE == 2 && (DEFER || p.wait_blocks > 0) && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+        pdl_wait();
 }
 
 // Exact NVFP4 → bf16 dequantization in registers, without tables (shared-memory lookups cost

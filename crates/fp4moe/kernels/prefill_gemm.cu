@@ -76,6 +76,11 @@
 #define PF_MMA_DEPTH 3
 #endif
 static_assert(PF_MMA_DEPTH >= 1 && PF_MMA_DEPTH <= 3, "frag holds four steps; the ring refills chunk c - 2");
+// GEMM2 requests its first chunks' weights before it waits for GEMM1's rows (1), or after (0:
+// the order before run 148, kept for A/B timing through FP4MOE_DEFINES).
+#ifndef PF_EARLY_WEIGHTS
+#define PF_EARLY_WEIGHTS 1
+#endif
 #define PF_B_BYTES (PF_NT * 128)
 #define PF_W_BYTES (16 * 512)
 #define PF_S_BYTES (16 * 64)
@@ -305,7 +310,7 @@ __device__ __forceinline__ void mma_sync_k16(float (&acc)[NSUB][4], const u32 a[
 // of two dependent loads (run 116: the other warps' wait was 4.5 % of the dual GEMM1's samples).
 // Tiles come in increasing expert id, the active list's order. `scratch`: WARPS ints, read
 // before the caller's next barrier; `tile` is complete after that barrier. VIA_L2: the offsets
-// through L2 (GEMM2, which may run on the expert-ready handoff without pdl_wait).
+// through L2 (GEMM2, which reads them before its wait for GEMM1).
 #define PF_MAX_EXPERTS 512  // cuda::MAX_EXPERTS
 template <int NT, int THREADS, bool VIA_L2>
 __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile, int* scratch) {
@@ -511,7 +516,19 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     // (run 116: 3.7 % of the dual GEMM1's warp samples).
     u32 ring_s = smem_u32(ring), bars_s = smem_u32(bars);
     asm volatile("" : "+r"(ring_s), "+r"(bars_s));
-    auto stage_chunk = [&](int c, u32 st) {
+    // A chunk's weights and its activations are staged by two lambdas: GEMM2 issues its first
+    // chunks' weights (constant) before it waits for GEMM1's rows (see the prologue below).
+    auto stage_weights = [&](u32 st) {
+        const u32 dst_s = ring_s + st * STAGE_BYTES;
+#pragma unroll
+        for (int r = 0; r < W_COPIES; r++) {
+            // Warp-uniform: the last round's pieces belong to the first warps only.
+            if (W_PIECES % THREADS != 0 && tid + r * THREADS >= W_PIECES) continue;
+            cp_async16_s(dst_s + w_dst[r], w_cur[r], w_step[r] ? 16 : 0);
+            w_cur[r] += w_step[r];
+        }
+    };
+    auto stage_acts = [&](int c, u32 st) {
         const u32 dst_s = ring_s + st * STAGE_BYTES;
 #pragma unroll
         for (int r = 0; r < A_COPIES; r++) {
@@ -520,13 +537,6 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
             cp_async16_s(dst_s + (tid + r * THREADS) * 16, ok ? a_cur[r] : p.act, ok ? 16 : 0);
             a_cur[r] += 64;
             a_left[r] -= 64;
-        }
-#pragma unroll
-        for (int r = 0; r < W_COPIES; r++) {
-            // Warp-uniform: the last round's pieces belong to the first warps only.
-            if (W_PIECES % THREADS != 0 && tid + r * THREADS >= W_PIECES) continue;
-            cp_async16_s(dst_s + w_dst[r], w_cur[r], w_step[r] ? 16 : 0);
-            w_cur[r] += w_step[r];
         }
 #if PF_WGMMA
         // The 32-token tiles' issuing thread rotates over the warps: one warp issuing every
@@ -554,6 +564,10 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         }
 #endif
     };
+    auto stage_chunk = [&](int c, u32 st) {
+        stage_acts(c, st);
+        stage_weights(st);
+    };
 
     // Slot of half h: warp + WARPS·h.
     float acc[HALVES][NSUB][4];
@@ -567,10 +581,32 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     // buffer step j rewrites was read by the group of step j of the previous chunk, retired.
     u32 frag[HALVES][4][4];
 
+    if (STAGE == 2) {
+        // GEMM2 reads GEMM1's rows: its first chunks' weights are requested before it waits for
+        // them (the expert's GEMM1 blocks on the expert-ready handoff, else all of GEMM1), so
+        // their DRAM latency overlaps the wait, as the decode GEMM2 does. They join chunk 0's
+        // copy group, which chunk 0 waits for anyway.
+        if (PF_EARLY_WEIGHTS) {
 #pragma unroll
-    for (int c = 0; c < AHEAD; c++) {
-        if (c < p.kg) stage_chunk(c, c);
-        cp_async_commit();
+            for (int c = 0; c < AHEAD; c++)
+                if (c < p.kg) stage_weights(c);
+        }
+        if (p.wait_blocks > 0) expert_ready_wait(p, e, n_e, gridDim.x * ((n_e + NT - 1) / NT));
+        else pdl_wait();
+#pragma unroll
+        for (int c = 0; c < AHEAD; c++) {
+            if (c < p.kg) {
+                stage_acts(c, c);
+                if (!PF_EARLY_WEIGHTS) stage_weights(c);
+            }
+            cp_async_commit();
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < AHEAD; c++) {
+            if (c < p.kg) stage_chunk(c, c);
+            cp_async_commit();
+        }
     }
     // rd: the stage of chunk c; wr: of chunk c + AHEAD; phase: parity of chunk c's full barrier.
     u32 rd = 0, wr = AHEAD, phase = 0;
@@ -679,17 +715,16 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     if (e < 0) return;  // block-uniform
     const int t0 = tile[1];
     const int base = tile[2], n_e = tile[3];
-    // The expert-ready handoff (gemm_common.cuh): GEMM2's blocks of e, one per row tile and token tile.
-    if (STAGE == 2 && p.wait_blocks > 0)
-        expert_ready_wait(p, e, n_e, gridDim.x * ((n_e + NT - 1) / NT));
+    // GEMM2 waits for GEMM1's rows in prefill_tile, after requesting its first weights; until
+    // then it reads routing's outputs only, through L2 (find_tile's offsets, the pairs here).
     const int nvalid = min(NT, n_e - t0);
     PairTable* pairs = reinterpret_cast<PairTable*>(smem_raw + PF_PAIRS_OFFSET);
     if (STAGE == 2) {
         // Read by the epilogue, after the k loop's barriers.
         for (int i = tid; i < nvalid; i += THREADS) {
-            const int pair = p.sorted[base + t0 + i];
+            const int pair = __ldcg(p.sorted + base + t0 + i);
             pairs->pair[i] = pair;
-            pairs->weight[i] = p.topk_w[pair];
+            pairs->weight[i] = __ldcg(p.topk_w + pair);
         }
     }
     if (TMA) {
@@ -739,9 +774,9 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
 #define PREFILL(NAME, GATED, STAGE, NT, THREADS, BLOCKS)                                          \
     static_assert(THREADS == 256 || THREADS == 512, "a block covers 16 slots with 8 or 16 warps"); \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(const GemmParams p) { \
-        gemm_enter<STAGE>(p);                                                                     \
+        gemm_enter<STAGE, true>(p);                                                               \
         prefill_body<GATED, STAGE, NT, 16, 512 / THREADS, 0>(p, nullptr);                         \
-        gemm_exit<STAGE>(p);                                                                      \
+        gemm_exit<STAGE, true>(p);                                                                \
     }
 PREFILL(prefill_gemm1_gated, true, 1, PF_NT, PF_THREADS, 1)
 PREFILL(prefill_gemm1_plain, false, 1, PF_NT, PF_THREADS, 1)
@@ -757,9 +792,9 @@ PREFILL(prefill_small_gemm2, false, 2, PF_NT_SMALL, PF_THREADS_SMALL, PF_SMALL_B
 #define PREFILL_SMALL_TMA(NAME, GATED, STAGE)                                                        \
     extern "C" __global__ void __launch_bounds__(PF_THREADS_SMALL, PF_SMALL_BLOCKS)                  \
         NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
-        gemm_enter<STAGE>(p);                                                                        \
+        gemm_enter<STAGE, true>(p);                                                                  \
         prefill_body<GATED, STAGE, PF_NT_SMALL, 16, 2, 1>(p, &tm);                                   \
-        gemm_exit<STAGE>(p);                                                                         \
+        gemm_exit<STAGE, true>(p);                                                                   \
     }
 PREFILL_SMALL_TMA(prefill_small_tma_gemm1_gated, true, 1)
 PREFILL_SMALL_TMA(prefill_small_tma_gemm1_plain, false, 1)
@@ -770,9 +805,9 @@ PREFILL_SMALL_TMA(prefill_small_tma_gemm2, false, 2)
 #define PREFILL_TMA(NAME, GATED, STAGE, CLUSTER)                                                      \
     extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)                                      \
         NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
-        gemm_enter<STAGE>(p);                                                                        \
+        gemm_enter<STAGE, true>(p);                                                                  \
         prefill_body<GATED, STAGE, PF_NT, 16, 1, CLUSTER>(p, &tm);                                   \
-        gemm_exit<STAGE>(p);                                                                         \
+        gemm_exit<STAGE, true>(p);                                                                   \
     }
 PREFILL_TMA(prefill_tma1_gemm1_gated, true, 1, 1)
 PREFILL_TMA(prefill_tma1_gemm1_plain, false, 1, 1)
@@ -785,9 +820,9 @@ PREFILL_TMA(prefill_tma2_gemm2, false, 2, 2)
 #define PREFILL_SLOTS8(NAME, GATED, STAGE, NT, THREADS, BLOCKS)                                      \
     extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS)                                    \
         NAME(const GemmParams p, const __grid_constant__ TmaMap tm) {                                \
-        gemm_enter<STAGE>(p);                                                                        \
+        gemm_enter<STAGE, true>(p);                                                                  \
         prefill_body<GATED, STAGE, NT, THREADS / 32, 1, 1>(p, &tm);                                  \
-        gemm_exit<STAGE>(p);                                                                         \
+        gemm_exit<STAGE, true>(p);                                                                   \
     }
 // Wide tiles (KERNEL_NOTES run 44): 256 tokens per block, one block per SM. Each converted A
 // fragment feeds 256 token columns (two m64n128k16 per 16 k) instead of 128: half the
