@@ -846,6 +846,34 @@ fn deep_decode_shape_matches_wide_bitwise() {
     }
 }
 
+/// A gated layer's deep decode GEMMs keep one token subtile up to
+/// `DEEP_GATED_ONE_SUBTILE_UP_TO` tokens per expert (busier experts take several passes):
+/// Qwen3-30B-A3B's expert shape (H 2048, I 768, E 128, top-8) at 5 and 6.5 tokens per expert on
+/// the default rules against the reference, and bitwise against the wide two-subtile kernels.
+#[test]
+fn gated_deep_one_subtile_matches_wide_two_subtiles() {
+    if !common::gpu_available() {
+        return;
+    }
+    for (tokens, quant) in [(80, QuantMode::W4A16), (104, W4A4)] {
+        let s = spec(2048, 768, 128, 8, Activation::Silu, quant);
+        check(s, tokens, 8300 + tokens as u64);
+        let (mut layer, _, x, logits) = mma_decode_layer(&s, tokens, 8400 + tokens as u64, 8401);
+        let (deep, _) = run_device(&layer, &x, &logits);
+        layer.set_gemm_shape(Some(GemmShape::Wide));
+        let (wide, _) = run_device(&layer, &x, &logits);
+        assert!(
+            wide.iter().any(|v| *v != 0.0),
+            "{tokens} {quant}: all zeros"
+        );
+        assert!(
+            same_bits(&deep, &wide),
+            "{tokens} tokens {quant}: deep one-subtile passes differ from wide two-subtile ones"
+        );
+        println!("gated deep one subtile, {tokens} tokens {quant}: bitwise the wide two subtiles'");
+    }
+}
+
 /// The expert-ready handoff between the routed decode GEMMs (each GEMM2 block waits for its own
 /// expert's GEMM1 blocks instead of all of GEMM1) gives the bits of the full wait, and its
 /// counters are back at zero after every forward: one workspace runs four forwards (a counter

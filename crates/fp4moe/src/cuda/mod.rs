@@ -630,7 +630,8 @@ pub enum GemmShape {
     /// resident, so one block's start (its routing reads, activation staging and first weight
     /// loads) overlaps three others' k loops, and no split-K exchange through shared memory.
     /// Each warp's chain is twice the wide one's, so it loses where the grid is about one wave
-    /// (the default rule: [`DEEP_GATED_FROM_TOKENS`], [`DEEP_NONGATED_GEMM2_FROM_TOKENS`]).
+    /// (the default rule: [`DEEP_GATED_FROM_TOKENS`], [`DEEP_NONGATED_GEMM1_FROM_TOKENS`],
+    /// [`DEEP_NONGATED_GEMM2_FROM_TOKENS`]).
     Deep,
 }
 
@@ -674,8 +675,9 @@ impl GemmShape {
     ///   Qwen3-30B-A3B 52.4 / 41.5; one token, mma kernels forced, runs 128 and 132: 37.9 /
     ///   35.0);
     /// - routed NVFP4 experts: deep for both GEMMs of a gated layer from
-    ///   [`DEEP_GATED_FROM_TOKENS`] tokens and for GEMM2 of a non-gated one from
-    ///   [`DEEP_NONGATED_GEMM2_FROM_TOKENS`], else wide. Run 138 (H200, µs per layer, wide /
+    ///   [`DEEP_GATED_FROM_TOKENS`] tokens, for GEMM2 of a non-gated one from
+    ///   [`DEEP_NONGATED_GEMM2_FROM_TOKENS`] and its GEMM1 from
+    ///   [`DEEP_NONGATED_GEMM1_FROM_TOKENS`] (run 148), else wide. Run 138 (H200, µs per layer, wide /
     ///   deep both / deep GEMM1 only / deep GEMM2 only; wide the mean of two rounds): Qwen3 4
     ///   tokens 57.0 / 53.3 / 54.4 / 55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.3 / 125.8 /
     ///   131.8 / 134.6, 64 154.4 / 144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block
@@ -726,11 +728,12 @@ impl GemmShape {
             }
             _ => deep_if(
                 nvfp4
-                    && if gated {
-                        tokens >= DEEP_GATED_FROM_TOKENS
-                    } else {
-                        !gemm1 && tokens >= DEEP_NONGATED_GEMM2_FROM_TOKENS
-                    },
+                    && tokens
+                        >= match (gated, gemm1) {
+                            (true, _) => DEEP_GATED_FROM_TOKENS,
+                            (false, true) => DEEP_NONGATED_GEMM1_FROM_TOKENS,
+                            (false, false) => DEEP_NONGATED_GEMM2_FROM_TOKENS,
+                        },
             ),
         }
     }
@@ -754,10 +757,42 @@ fn handoff_by_default(path: GemmPath, nvfp4: bool, pairs: usize, experts: usize)
 /// tokens (run 138: 4.8-11 % faster at 4-64 tokens on Qwen3-30B-A3B; run 137: 19 % slower at 2).
 pub const DEEP_GATED_FROM_TOKENS: usize = 4;
 
-/// Routed NVFP4 experts of a non-gated layer: GEMM2 takes the deep shape from this many tokens,
-/// GEMM1 stays wide (run 138, Nemotron-3 Nano: GEMM2 deep 1.3-2.5 % faster at 8-32 tokens,
-/// level at 48-64, 3.9 % slower at 6; GEMM1 deep level or slower, 7 % at 12).
+/// Routed NVFP4 experts of a non-gated layer: GEMM2 takes the deep shape from this many tokens
+/// (run 138, Nemotron-3 Nano: GEMM2 deep 1.3-2.5 % faster at 8-32 tokens, level at 48-64, 3.9 %
+/// slower at 6).
 pub const DEEP_NONGATED_GEMM2_FROM_TOKENS: usize = 8;
+
+/// Routed NVFP4 experts of a non-gated layer: GEMM1 takes the deep shape from this many tokens
+/// (one token subtile only: from 4.5 tokens per expert the wide two-subtile kernels run). Run
+/// 148 (H200, Nemotron-3 Nano, both GEMMs deep against GEMM2 deep alone): 48 tokens 186.3 /
+/// 191.3 µs, 64 209.8 / 215.0, 80 232.9 / 238.8 (2.4-2.6 % faster, three or more waves of
+/// deep blocks); run 138 (the nibble-planar layout): GEMM1 deep level at 6, 32 and 64 tokens,
+/// 4-7 % slower at 8-12 (a grid of little more than one wave).
+pub const DEEP_NONGATED_GEMM1_FROM_TOKENS: usize = 40;
+
+/// Mean tokens per routed expert up to which a gated layer's deep decode GEMMs keep one token
+/// subtile (busier experts take several passes) instead of the wide kernels' two. Run 148 (H200,
+/// Qwen3-30B-A3B, forced decode, one subtile deep against the default two wide): 5 per expert
+/// 139.2 / 170.6 µs, 6 152.9 / 174.8, 8 178.8 / 179.0.
+pub const DEEP_GATED_ONE_SUBTILE_UP_TO: usize = 8;
+
+/// Token subtiles (8 tokens each) per pass of the mma decode GEMMs, from the mean tokens per
+/// expert under uniform routing (`per_expert`, rounded up): 1 up to 4 (up to
+/// [`DEEP_GATED_ONE_SUBTILE_UP_TO`] for both GEMMs of a gated layer (`gated`) on the deep shape,
+/// which exists for one subtile), 2 up to 12, else 4. Busier experts take several passes (their weights come from
+/// L2 the second time); larger tiles cost more than that in occupancy (measured:
+/// docs/KERNEL_NOTES.md).
+fn subtiles_wanted(tokens: usize, per_expert: usize, gated: bool, shape: GemmShape) -> usize {
+    let deep_gated = gated && shape == GemmShape::Deep;
+    if tokens <= 8 || per_expert <= 4 || (deep_gated && per_expert <= DEEP_GATED_ONE_SUBTILE_UP_TO)
+    {
+        1
+    } else if per_expert <= 12 {
+        2
+    } else {
+        4
+    }
+}
 
 /// The value of a benchmark tuning variable, read once per process (into `cell`) so forwards
 /// neither take the environment lock nor allocate for it.
@@ -1054,7 +1089,7 @@ pub enum GemmPath {
 /// (8) 181.7 / 169.7: decode ahead by 5 % at 4 per expert, behind by 0.8 % at 5 → prefill
 /// from 4.75. Until session 30: prefill from 3 per expert, or from 152 pairs at 0.25 per
 /// expert (48 pairs until session 29, 32 for both kinds until run 96).
-pub const PREFILL_GATED_FROM_QUARTERS: usize = 19;
+pub const PREFILL_GATED_FROM_QUARTERS: usize = 28;
 
 /// Mean tokens per routed expert, in quarters, from which non-gated layers take the prefill
 /// kernels. Measured (runs 134–135, µs, forced decode / forced prefill, Nemotron-3 Nano, E 128,
@@ -2307,10 +2342,8 @@ impl CudaLayer {
         })
     }
 
-    /// Token subtiles (8 tokens each) per pass, from the mean tokens per expert under uniform
-    /// routing: 1 up to 4, 2 up to 12, else 4, and never more than shared memory allows.
-    /// Busier experts take several passes (their weights come from L2 the second time); larger
-    /// tiles cost more than that in occupancy (measured: docs/KERNEL_NOTES.md).
+    /// Token subtiles (8 tokens each) per pass ([`subtiles_wanted`]; `gated`: the kernel's
+    /// two weight rows per output, for its shared memory), never more than shared memory allows.
     /// `FP4MOE_DECODE_NSUB=1|2|4` asks for another count (a benchmark knob; shared memory still
     /// bounds it).
     fn nsub(&self, tokens: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
@@ -2319,15 +2352,9 @@ impl CudaLayer {
             .div_ceil(self.spec.shape.experts)
             .max(1);
         let forced = tuning_choice(&KNOB, "FP4MOE_DECODE_NSUB", &[("1", 1), ("2", 2), ("4", 4)]);
-        let want = if let Some(n) = forced {
-            n
-        } else if tokens <= 8 || per_expert <= 4 {
-            1
-        } else if per_expert <= 12 {
-            2
-        } else {
-            4
-        };
+        let gated_layer = self.spec.activation.is_gated();
+        let want =
+            forced.unwrap_or_else(|| subtiles_wanted(tokens, per_expert, gated_layer, shape));
         [4, 2, 1]
             .into_iter()
             .filter(|&n| n <= want)
@@ -3372,14 +3399,22 @@ mod tests {
             // bf16 routed experts: not measured deep.
             assert_eq!(shape(64, 128, g1, true, false), Wide);
         }
-        // Non-gated: GEMM2 deep from DEEP_NONGATED_GEMM2_FROM_TOKENS, GEMM1 wide.
-        let from = DEEP_NONGATED_GEMM2_FROM_TOKENS;
-        assert_eq!(shape(from - 1, 6 * (from - 1), false, false, true), Wide);
-        assert_eq!(shape(from, 6 * from, false, false, true), Deep);
+        // Non-gated: GEMM2 deep from DEEP_NONGATED_GEMM2_FROM_TOKENS, GEMM1 from
+        // DEEP_NONGATED_GEMM1_FROM_TOKENS.
+        let (from1, from2) = (
+            DEEP_NONGATED_GEMM1_FROM_TOKENS,
+            DEEP_NONGATED_GEMM2_FROM_TOKENS,
+        );
+        assert!(from1 > from2);
+        assert_eq!(shape(from2 - 1, 6 * (from2 - 1), false, false, true), Wide);
+        assert_eq!(shape(from2, 6 * from2, false, false, true), Deep);
         assert_eq!(shape(64, 128, false, false, true), Deep);
-        assert_eq!(shape(from, 6 * from, true, false, true), Wide);
-        assert_eq!(shape(64, 128, true, false, true), Wide);
+        assert_eq!(shape(from2, 6 * from2, true, false, true), Wide);
+        assert_eq!(shape(from1 - 1, 128, true, false, true), Wide);
+        assert_eq!(shape(from1, 128, true, false, true), Deep);
+        assert_eq!(shape(64, 128, true, false, true), Deep);
         assert_eq!(shape(64, 128, false, false, false), Wide);
+        assert_eq!(shape(64, 128, true, false, false), Wide);
         // A shape forced on the layer wins.
         assert_eq!(GemmShape::chosen(1, 1, Some(Deep), true, false, true), Deep);
         assert_eq!(
@@ -3398,33 +3433,59 @@ mod tests {
     }
 
     #[test]
+    fn subtiles_follow_tokens_per_expert_and_the_deep_gated_shape() {
+        use GemmShape::{Deep, Wide};
+        // (tokens, mean tokens per expert rounded up, gated layer, shape)
+        for gated in [true, false] {
+            for shape in [Wide, Deep] {
+                assert_eq!(
+                    subtiles_wanted(8, 64, gated, shape),
+                    1,
+                    "a batch of 8 fits one"
+                );
+                assert_eq!(subtiles_wanted(64, 4, gated, shape), 1);
+                assert_eq!(subtiles_wanted(300, 13, gated, shape), 4);
+            }
+            assert_eq!(subtiles_wanted(80, 5, gated, Wide), 2);
+            assert_eq!(subtiles_wanted(300, 12, gated, Deep), 2);
+        }
+        // A gated layer's deep GEMMs keep one subtile up to DEEP_GATED_ONE_SUBTILE_UP_TO.
+        let up_to = DEEP_GATED_ONE_SUBTILE_UP_TO;
+        assert_eq!(subtiles_wanted(80, 5, true, Deep), 1);
+        assert_eq!(subtiles_wanted(200, up_to, true, Deep), 1);
+        assert_eq!(subtiles_wanted(200, up_to + 1, true, Deep), 2);
+        assert_eq!(subtiles_wanted(80, 5, false, Deep), 2);
+    }
+
+    #[test]
     fn gemm_path_follows_tokens_per_expert_and_shared_memory() {
         let h200 = 227 * 1024;
         let choose = |pairs, experts, gated, smem, forced| {
             GemmPath::choose(pairs, experts, gated, smem, forced)
         };
-        // Qwen3 (E 128, top-8, gated): decode below 4.75 tokens per expert (75 tokens = 600
-        // pairs), prefill from 608 pairs (76 tokens).
+        // Qwen3 (E 128, top-8, gated): decode below 7 tokens per expert (111 tokens = 888
+        // pairs), prefill from 896 pairs (112 tokens).
         assert_eq!(choose(8 * 8, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(64 * 8, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(607, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(76 * 8, 128, true, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(104 * 8, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(895, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(112 * 8, 128, true, h200, None), GemmPath::Prefill);
         // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 5.75 tokens per expert (122
         // tokens = 732 pairs), prefill from 736 pairs (123 tokens).
         assert_eq!(choose(8 * 6, 128, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(112 * 6, 128, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(735, 128, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(123 * 6, 128, false, h200, None), GemmPath::Prefill);
-        // The same 672 pairs gated take prefill (from 608).
-        assert_eq!(choose(112 * 6, 128, true, h200, None), GemmPath::Prefill);
+        // The same 800 pairs non-gated take prefill, gated decode.
+        assert_eq!(choose(800, 128, false, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(800, 128, true, h200, None), GemmPath::Decode);
         // Other expert counts scale the same per-expert thresholds: 256 experts, gated, from
-        // 1216 pairs; non-gated from 1472; 8 experts, gated, from 38 pairs.
-        assert_eq!(choose(1215, 256, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(1216, 256, true, h200, None), GemmPath::Prefill);
+        // 1792 pairs; non-gated from 1472; 8 experts, gated, from 56 pairs.
+        assert_eq!(choose(1791, 256, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(1792, 256, true, h200, None), GemmPath::Prefill);
         assert_eq!(choose(1471, 256, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(1472, 256, false, h200, None), GemmPath::Prefill);
-        assert_eq!(choose(37, 8, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(38, 8, true, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(55, 8, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(56, 8, true, h200, None), GemmPath::Prefill);
         // A shared expert is one expert holding every token.
         assert_eq!(choose(2, 1, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(3, 1, false, h200, None), GemmPath::Decode);
