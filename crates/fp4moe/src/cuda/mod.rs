@@ -1082,13 +1082,12 @@ pub enum GemmPath {
 }
 
 /// Mean tokens per routed expert, in quarters, from which gated layers take the prefill
-/// kernels. Measured (docs/KERNEL_NOTES.md runs 133–135, µs, forced decode / forced prefill,
-/// Qwen3-30B-A3B, E 128, top-8, decode GEMMs with running pointers and cp.async staging): 18
-/// tokens (1.125 per expert) 119.0 / 121.2, 24 (1.5) 125.4 / 140.4, 32 (2) 141.3 / 152.6, 48
-/// (3) 148.0 / 159.8, 64 (4) 153.1 / 161.2, 80 (5) 169.4 / 168.0, 96 (6) 174.0 / 171.2, 128
-/// (8) 181.7 / 169.7: decode ahead by 5 % at 4 per expert, behind by 0.8 % at 5 → prefill
-/// from 4.75. Until session 30: prefill from 3 per expert, or from 152 pairs at 0.25 per
-/// expert (48 pairs until session 29, 32 for both kinds until run 96).
+/// kernels. Measured (docs/KERNEL_NOTES.md run 149, µs, Qwen3-30B-A3B, E 128, top-8, decode on
+/// the deep shape with one token subtile up to [`DEEP_GATED_ONE_SUBTILE_UP_TO`] per expert /
+/// prefill): 80 tokens (5 per expert) 137.7 / 157.2, 96 (6) 151.6 / 159.3, 104 (6.5) 157.4 /
+/// 160.4, 112 (7) 166.0 / 161.1, 120 (7.5) 173.0 / 163.4, 128 (8) 176.9 / 158.3 → prefill from
+/// 7. Until session 34: from 4.75 (runs 133–135, where forced decode ran the wide two-subtile
+/// kernels from 5 per expert: 169.4 / 168.0 at 5), from 3 until session 30.
 pub const PREFILL_GATED_FROM_QUARTERS: usize = 28;
 
 /// Mean tokens per routed expert, in quarters, from which non-gated layers take the prefill
