@@ -128,9 +128,13 @@ __device__ __forceinline__ float apply_activation(int act, float h, float up) {
 // read (or anything it reads be written) before it. pdl_launch_dependents() lets the next kernel
 // start once every block of this one has called it (or exited); every kernel launched so (the
 // routing kernels, each GEMM and the combine) calls it right after its wait, so a successor never
-// starts before this kernel's predecessor is done. (The routed GEMM2 on the expert-ready handoff
-// waits per expert instead, and one of its threads calls pdl_wait before exiting, which keeps
-// the chain: gemm_common.cuh.)
+// starts before this kernel's predecessor is done. Exceptions: the routed decode GEMM2 on the
+// expert-ready handoff waits per expert instead, and every prefill GEMM2 (routed or shared,
+// handoff or not) calls it at entry and waits later, after requesting its first weights; in
+// both, one thread of block (0, 0) calls pdl_wait before exiting, so the GEMM2's completion
+// still implies its predecessor's (gemm_common.cuh). Their successors (the shared expert's
+// GEMM1, the combine) may thus start while the routed GEMM1 runs: each must wait before it
+// reads anything.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

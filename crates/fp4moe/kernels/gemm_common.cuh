@@ -123,8 +123,10 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 // its predecessor). No deadlock: every GEMM1 block has started (and passed its own wait) before
 // any GEMM2 block launches. After the acquire and the block barrier a proxy fence in every
 // thread orders the TMA reads of GEMM1's rows (prefill; the async proxy) after it. Before the
-// wait GEMM2 reads the grouping only through L2 (the routing that wrote it finished before
-// GEMM1's blocks passed their wait). Block (0, 0)'s
+// wait GEMM2 reads routing's outputs only (the grouping; the prefill tiles also the router
+// weights), through L2 (the routing that wrote them finished before GEMM1's blocks passed their
+// wait), and the prefill tiles request their first weights (constant); the prefill GEMM2 waits
+// the same way off the handoff (pdl_wait in the tile, gemm_enter's DEFER). Block (0, 0)'s
 // thread 0 still calls pdl_wait before it exits (gemm_exit), so GEMM2's completion implies
 // GEMM1's (the chain common.cuh's pdl_launch_dependents relies on): GEMM1's blocks of inactive
 // slots or tiles read the grouping after they let GEMM2 launch, and the next forward's routing

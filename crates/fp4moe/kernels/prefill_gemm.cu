@@ -76,8 +76,10 @@
 #define PF_MMA_DEPTH 3
 #endif
 static_assert(PF_MMA_DEPTH >= 1 && PF_MMA_DEPTH <= 3, "frag holds four steps; the ring refills chunk c - 2");
-// GEMM2 requests its first chunks' weights before it waits for GEMM1's rows (1), or after (0:
-// the order before run 148, kept for A/B timing through FP4MOE_DEFINES).
+// GEMM2 requests its first chunks' weights before it waits for GEMM1's rows (1), or after (0,
+// for A/B timing through FP4MOE_DEFINES: the copies in their order before run 148, the wait
+// itself where run 148 moved it, after find_tile and the tile's setup, and off the handoff
+// still after GEMM2 lets its successors launch).
 #ifndef PF_EARLY_WEIGHTS
 #define PF_EARLY_WEIGHTS 1
 #endif

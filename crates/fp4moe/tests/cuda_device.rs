@@ -813,6 +813,26 @@ fn decode_token_subtiles_agree_bitwise() {
     }
 }
 
+/// `layer`'s output with its decode block shape set to `shape` (`None`: the default rule) has
+/// the bits of the wide shape's, and is not all zeros.
+fn assert_shapes_agree(
+    layer: &mut CudaLayer,
+    x: &[f32],
+    logits: &[f32],
+    shape: Option<GemmShape>,
+    label: &str,
+) {
+    layer.set_gemm_shape(Some(GemmShape::Wide));
+    let (wide, _) = run_device(layer, x, logits);
+    layer.set_gemm_shape(shape);
+    let (other, _) = run_device(layer, x, logits);
+    assert!(wide.iter().any(|v| *v != 0.0), "{label}: all zeros");
+    assert!(
+        same_bits(&other, &wide),
+        "{label}: the {shape:?} shape differs from the wide one"
+    );
+}
+
 /// The deep decode shape (one subtile; a warp runs both of the wide shape's K slices into
 /// separate sums) gives the wide shape's bits: 42 and 29 k groups (slices of 21 and 15, odd, so
 /// the second slice starts in the other register buffer), 3 and 1, 2 and 3; both GEMMs, gated
@@ -830,19 +850,9 @@ fn deep_decode_shape_matches_wide_bitwise() {
     ] {
         let s = spec(h, i, 16, 4, act, quant);
         let (mut layer, _, x, logits) = mma_decode_layer(&s, 16, 8200 + h as u64, 8201);
-        layer.set_gemm_shape(Some(GemmShape::Wide));
-        let (wide, _) = run_device(&layer, &x, &logits);
-        layer.set_gemm_shape(Some(GemmShape::Deep));
-        let (deep, _) = run_device(&layer, &x, &logits);
-        assert!(
-            wide.iter().any(|v| *v != 0.0),
-            "H {h} I {i} {act} {quant}: all zeros"
-        );
-        assert!(
-            same_bits(&deep, &wide),
-            "H {h} I {i} {act} {quant}: the deep shape differs from the wide one"
-        );
-        println!("deep shape H {h} I {i} {act} {quant}: bitwise the wide shape's");
+        let label = format!("H {h} I {i} {act} {quant}");
+        assert_shapes_agree(&mut layer, &x, &logits, Some(GemmShape::Deep), &label);
+        println!("deep shape {label}: bitwise the wide shape's");
     }
 }
 
@@ -855,21 +865,23 @@ fn gated_deep_one_subtile_matches_wide_two_subtiles() {
     if !common::gpu_available() {
         return;
     }
+    for knob in [
+        "FP4MOE_GEMM_SHAPE",
+        "FP4MOE_DECODE_NSUB",
+        "FP4MOE_GEMM_PATH",
+    ] {
+        assert!(
+            std::env::var_os(knob).is_none(),
+            "{knob} is set: this test checks the default rules"
+        );
+    }
     for (tokens, quant) in [(80, QuantMode::W4A16), (104, W4A4)] {
         let s = spec(2048, 768, 128, 8, Activation::Silu, quant);
         check(s, tokens, 8300 + tokens as u64);
         let (mut layer, _, x, logits) = mma_decode_layer(&s, tokens, 8400 + tokens as u64, 8401);
-        let (deep, _) = run_device(&layer, &x, &logits);
-        layer.set_gemm_shape(Some(GemmShape::Wide));
-        let (wide, _) = run_device(&layer, &x, &logits);
-        assert!(
-            wide.iter().any(|v| *v != 0.0),
-            "{tokens} {quant}: all zeros"
-        );
-        assert!(
-            same_bits(&deep, &wide),
-            "{tokens} tokens {quant}: deep one-subtile passes differ from wide two-subtile ones"
-        );
+        // The default rule: deep, one subtile; forced wide: two subtiles.
+        let label = format!("{tokens} tokens {quant}");
+        assert_shapes_agree(&mut layer, &x, &logits, None, &label);
         println!("gated deep one subtile, {tokens} tokens {quant}: bitwise the wide two subtiles'");
     }
 }

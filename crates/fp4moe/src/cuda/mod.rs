@@ -763,7 +763,8 @@ pub const DEEP_GATED_FROM_TOKENS: usize = 4;
 pub const DEEP_NONGATED_GEMM2_FROM_TOKENS: usize = 8;
 
 /// Routed NVFP4 experts of a non-gated layer: GEMM1 takes the deep shape from this many tokens
-/// (one token subtile only: from 4.5 tokens per expert the wide two-subtile kernels run). Run
+/// (one token subtile only: above 4 mean tokens per expert, rounded up, the wide two-subtile
+/// kernels run). Run
 /// 148 (H200, Nemotron-3 Nano, both GEMMs deep against GEMM2 deep alone): 48 tokens 186.3 /
 /// 191.3 µs, 64 209.8 / 215.0, 80 232.9 / 238.8 (2.4-2.6 % faster, three or more waves of
 /// deep blocks); run 138 (the nibble-planar layout): GEMM1 deep level at 6, 32 and 64 tokens,
@@ -777,11 +778,11 @@ pub const DEEP_NONGATED_GEMM1_FROM_TOKENS: usize = 40;
 pub const DEEP_GATED_ONE_SUBTILE_UP_TO: usize = 8;
 
 /// Token subtiles (8 tokens each) per pass of the mma decode GEMMs, from the mean tokens per
-/// expert under uniform routing (`per_expert`, rounded up): 1 up to 4 (up to
-/// [`DEEP_GATED_ONE_SUBTILE_UP_TO`] for both GEMMs of a gated layer (`gated`) on the deep shape,
-/// which exists for one subtile), 2 up to 12, else 4. Busier experts take several passes (their weights come from
-/// L2 the second time); larger tiles cost more than that in occupancy (measured:
-/// docs/KERNEL_NOTES.md).
+/// expert under uniform routing (`per_expert`, rounded up): 1 for a batch of at most 8 tokens
+/// or up to 4 per expert (up to [`DEEP_GATED_ONE_SUBTILE_UP_TO`] for both GEMMs of a gated
+/// layer (`gated`) on the deep shape, which exists for one subtile), 2 up to 12, else 4.
+/// Busier experts take several passes (their weights come from L2 the second time); larger
+/// tiles cost more than that in occupancy (measured: docs/KERNEL_NOTES.md).
 fn subtiles_wanted(tokens: usize, per_expert: usize, gated: bool, shape: GemmShape) -> usize {
     let deep_gated = gated && shape == GemmShape::Deep;
     if tokens <= 8 || per_expert <= 4 || (deep_gated && per_expert <= DEEP_GATED_ONE_SUBTILE_UP_TO)
