@@ -1,6 +1,6 @@
 //! Routing on the device, the launches of [`CudaLayer::route_device`]: router logits (by the
-//! kernel `RouterKernel` picks; its large-batch tiles split k where few tiles would fill the
-//! GPU), top-k, the pair sort by expert, the grouping (per-expert offsets, the active list) and
+//! kernel `RouterKernel` picks; its large-batch tiles split k where they alone would not fill
+//! a wave), top-k, the pair sort by expert, the grouping (per-expert offsets, the active list) and
 //! the input preparation, or all of them as one `route_small` launch for
 //! small batches (`RoutePath`); the kernels are `routing.cu`, `sort_pairs.cu`, `prepare_input.cu`
 //! and `route_small.cu`.
