@@ -138,21 +138,28 @@ pub fn pack_nvfp4(s: &ExpertStack) -> (Vec<u8>, Vec<u8>) {
     let mut scales = vec![0u8; s.experts * rg_n * kg * 64];
     // An empty stack has no tiles (chunks of at least one byte: rayon rejects zero).
     let (per_data, per_scales) = ((rg_n * kg * 512).max(1), (rg_n * kg * 64).max(1));
+    let codes: [u8; 256] = std::array::from_fn(|b| scale_code(b as u8));
     data.par_chunks_mut(per_data)
         .zip(scales.par_chunks_mut(per_scales))
         .enumerate()
-        .for_each(|(e, (d, sc))| pack_nvfp4_expert(s, e, d, sc));
+        .for_each(|(e, (d, sc))| pack_nvfp4_expert(s, e, &codes, d, sc));
     (data, scales)
 }
 
-/// [`pack_nvfp4`] of expert `e` into its `data` and `scales` regions.
-fn pack_nvfp4_expert(s: &ExpertStack, e: usize, data: &mut [u8], scales: &mut [u8]) {
+/// [`pack_nvfp4`] of expert `e` into its `data` and `scales` regions; `codes`: [`scale_code`]
+/// of every E4M3 byte.
+fn pack_nvfp4_expert(
+    s: &ExpertStack,
+    e: usize,
+    codes: &[u8; 256],
+    data: &mut [u8],
+    scales: &mut [u8],
+) {
     let kg = padded_k(s.cols) / 64;
     let rg_n = s.rows / 16;
     let blocks = s.cols / 16;
     let rb = s.row_bytes();
     let sc = s.scale_cols();
-    let codes: [u8; 256] = std::array::from_fn(|b| scale_code(b as u8));
     for rg in 0..rg_n {
         let tile = rg * kg;
         for lane in 0..32 {
