@@ -183,6 +183,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "TFLOP/s"
     );
     let mut rows = Vec::new();
+    // Two weight copies, built at the first size and timed at every size.
+    let mut cuda_layers = None;
     for &t in &a.tokens {
         let inputs: Vec<Vec<f32>> = (0..4)
             .map(|r| random_tokens(t, sh, a.seed + 100 * t as u64 + r))
@@ -195,14 +197,20 @@ pub(crate) fn run(a: Args) -> Result<()> {
                     .iterations
                     .unwrap_or(if t >= 1024 { 40 } else { 200 })
                     .max(1);
+                let layers = match &mut cuda_layers {
+                    Some(l) => l,
+                    None => cuda_layers.insert(step(
+                        "packing and uploading two weight copies",
+                        || fp4moe::cuda::bench::BenchLayers::new(&spec, &w, 2),
+                    )?),
+                };
                 let tm = step(&format!("timing {t} tokens"), || {
                     let plan = fp4moe::cuda::bench::TimingPlan {
-                        copies: 2,
                         iterations: iters,
                         warmup_ms: a.warmup_ms,
                         stages: a.stages,
                     };
-                    fp4moe::cuda::bench::time_layer(&spec, &w, &inputs, plan)
+                    layers.time(&inputs, plan)
                 })
                 .with_context(|| format!("{t} tokens"))?;
                 stages = tm.stages_us;

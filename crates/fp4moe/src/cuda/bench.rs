@@ -56,11 +56,9 @@ pub struct Timing {
     pub stages_us: Option<Vec<f64>>,
 }
 
-/// How [`time_layer`] replays a layer.
+/// How [`BenchLayers::time`] replays a layer.
 #[derive(Clone, Copy, Debug)]
 pub struct TimingPlan {
-    /// Uploaded weight copies (at least one), rotated with the inputs.
-    pub copies: usize,
     /// Timed replays.
     pub iterations: usize,
     /// Untimed replays before the timed ones: three rounds of every graph, then more until at
@@ -72,65 +70,92 @@ pub struct TimingPlan {
     pub stages: bool,
 }
 
-/// Times `tokens`-token forwards: `inputs` token sets (each `[tokens, H]`), one CUDA graph per
-/// (weight copy, input), replayed as `plan` says.
-pub fn time_layer(
-    spec: &MoeSpec,
-    weights: &MoeWeights,
-    inputs: &[Vec<f32>],
-    plan: TimingPlan,
-) -> Result<Timing> {
-    let mut layers: Vec<CudaLayer> = (0..plan.copies.max(1))
-        .map(|_| CudaLayer::new(spec, weights))
-        .collect::<Result<_>>()?;
-    let st = layers[0].stream().clone();
-    let tokens = inputs.first().map_or(0, |x| x.len() / spec.shape.hidden);
-    let mut wss: Vec<CudaWorkspace> = Vec::new();
-    for x in inputs {
-        let mut ws = layers[0].workspace(tokens)?;
-        st.memcpy_htod(x, &mut ws.x)
-            .map_err(driver_err("input upload"))?;
-        wss.push(ws);
+/// Several uploaded copies of one layer's weights, built once and timed at any number of batch
+/// sizes: packing and uploading the weights takes seconds per copy, the timing of one size less
+/// than that.
+pub struct BenchLayers {
+    layers: Vec<CudaLayer>,
+}
+
+impl BenchLayers {
+    /// Packs and uploads `copies` (at least one) copies of `weights`, rotated with the inputs
+    /// when timed.
+    pub fn new(spec: &MoeSpec, weights: &MoeWeights, copies: usize) -> Result<Self> {
+        let layers = (0..copies.max(1))
+            .map(|_| CudaLayer::new(spec, weights))
+            .collect::<Result<_>>()?;
+        Ok(Self { layers })
     }
-    // Warm-up eagerly (module load, first-touch) before any capture.
-    for (i, ws) in wss.iter_mut().enumerate() {
-        layers[i % layers.len()].forward_device(ws, None)?;
-    }
-    st.synchronize().map_err(driver_err("synchronize"))?;
-    let times = replay_times(&layers, &mut wss, &plan)?;
-    if let Some(report) = layers[0].one_token_trace_report(&wss[0])? {
-        eprintln!("{report}");
-    }
-    let stages_us = if plan.stages {
-        let mut prefix = Vec::new();
-        for limit in 1..super::STAGES.len() {
-            for layer in &mut layers {
-                layer.set_stage_limit(Some(limit));
-            }
-            let t = replay_times(&layers, &mut wss, &plan)?;
-            prefix.push(t[t.len() / 2]);
+
+    /// Times `tokens`-token forwards: `inputs` token sets (each `[tokens, H]`), one CUDA graph
+    /// per (weight copy, input), replayed as `plan` says.
+    pub fn time(&mut self, inputs: &[Vec<f32>], plan: TimingPlan) -> Result<Timing> {
+        let layers = &mut self.layers;
+        let st = layers[0].stream().clone();
+        let hidden = layers[0].spec.shape.hidden;
+        let tokens = inputs.first().map_or(0, |x| x.len() / hidden);
+        let mut wss: Vec<CudaWorkspace> = Vec::new();
+        for x in inputs {
+            let mut ws = layers[0].workspace(tokens)?;
+            st.memcpy_htod(x, &mut ws.x)
+                .map_err(driver_err("input upload"))?;
+            wss.push(ws);
         }
-        prefix.push(times[times.len() / 2]);
-        Some(
-            prefix
-                .iter()
-                .scan(0.0, |before, &p| {
-                    let d = p - *before;
-                    *before = p;
-                    Some(d)
-                })
-                .collect(),
-        )
-    } else {
-        None
-    };
-    Ok(Timing {
-        median_us: times[times.len() / 2],
-        min_us: times[0],
-        max_us: times[times.len() - 1],
-        iterations: plan.iterations,
-        stages_us,
-    })
+        // Warm-up eagerly (module load, first-touch) before any capture.
+        for (i, ws) in wss.iter_mut().enumerate() {
+            layers[i % layers.len()].forward_device(ws, None)?;
+        }
+        st.synchronize().map_err(driver_err("synchronize"))?;
+        let times = replay_times(layers, &mut wss, &plan)?;
+        if let Some(report) = layers[0].one_token_trace_report(&wss[0])? {
+            eprintln!("{report}");
+        }
+        let stages_us = if plan.stages {
+            let prefix = stage_prefixes(layers, &mut wss, &plan);
+            // Whole forwards again for the next size, whether or not the cut graphs ran.
+            for layer in layers.iter_mut() {
+                layer.set_stage_limit(None);
+            }
+            let mut prefix = prefix?;
+            prefix.push(times[times.len() / 2]);
+            Some(
+                prefix
+                    .iter()
+                    .scan(0.0, |before, &p| {
+                        let d = p - *before;
+                        *before = p;
+                        Some(d)
+                    })
+                    .collect(),
+            )
+        } else {
+            None
+        };
+        Ok(Timing {
+            median_us: times[times.len() / 2],
+            min_us: times[0],
+            max_us: times[times.len() - 1],
+            iterations: plan.iterations,
+            stages_us,
+        })
+    }
+}
+
+/// Median µs of the graphs cut after 1, 2, … of [`super::STAGES`] (all but the last stage).
+fn stage_prefixes(
+    layers: &mut [CudaLayer],
+    wss: &mut [CudaWorkspace],
+    plan: &TimingPlan,
+) -> Result<Vec<f64>> {
+    let mut prefix = Vec::new();
+    for limit in 1..super::STAGES.len() {
+        for layer in layers.iter_mut() {
+            layer.set_stage_limit(Some(limit));
+        }
+        let t = replay_times(layers, wss, plan)?;
+        prefix.push(t[t.len() / 2]);
+    }
+    Ok(prefix)
 }
 
 /// Sorted µs of `plan.iterations` replays of one CUDA graph per (input workspace, layer),
