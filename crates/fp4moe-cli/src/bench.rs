@@ -199,10 +199,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
                     .max(1);
                 let layers = match &mut cuda_layers {
                     Some(l) => l,
-                    None => cuda_layers.insert(step(
-                        "packing and uploading two weight copies",
-                        || fp4moe::cuda::bench::BenchLayers::new(&spec, &w, 2),
-                    )?),
+                    None => cuda_layers
+                        .insert(step("packing and uploading two weight copies", || {
+                            fp4moe::cuda::bench::BenchLayers::new(&spec, &w, 2)
+                        })?),
                 };
                 let tm = step(&format!("timing {t} tokens"), || {
                     let plan = fp4moe::cuda::bench::TimingPlan {

@@ -310,7 +310,7 @@ __device__ __forceinline__ void mma_sync_k16(float (&acc)[NSUB][4], const u32 a[
 // scan of the tile counts places the block's tile: one global round trip before the block can
 // start copying, where one warp scanning the active list 32 experts at a time took ~2.8 rounds
 // of two dependent loads (run 116: the other warps' wait was 4.5 % of the dual GEMM1's samples).
-// Tiles come in increasing expert id, the active list's order. `scratch`: WARPS ints, read
+// Tiles come in increasing expert id (from the offsets; the active list is by 8-token passes). `scratch`: WARPS ints, read
 // before the caller's next barrier; `tile` is complete after that barrier. VIA_L2: the offsets
 // through L2 (GEMM2, which reads them before its wait for GEMM1).
 #define PF_MAX_EXPERTS 512  // cuda::MAX_EXPERTS

@@ -3,11 +3,35 @@
 //
 // Pair p = t·k + j routed to expert ids[p]. Output: offsets[E+1] (exclusive prefix of counts),
 // sorted[offsets[e] + r] = the r-th pair of expert e in increasing p, active[0..n) the experts
-// with at least one pair in increasing id, num_active[0] = n. A 1024-thread block splits its
+// with at least one pair, those needing most 8-token passes first (ties in increasing id;
+// `slot_key`), num_active[0] = n.
+// A 1024-thread block splits its
 // pairs over its 32 warps; a per-warp histogram (int [32][E] in shared memory, E <= 512) and
 // match_any ranks place pairs stably with no atomics.
 #pragma once
 #include "common.cuh"
+
+// ACTIVE_BY_COUNT 0 (a timing knob): active experts in increasing id, the order before session 35.
+// (1: by their 8-token passes, `slot_key`.)
+#ifndef ACTIVE_BY_COUNT
+#define ACTIVE_BY_COUNT 1
+#endif
+
+// The order of the active experts, i.e. of the decode GEMMs' grid rows (blockIdx.y), which the
+// hardware dispatches roughly in order: by decreasing passes of an 8-token tile over the
+// expert's pairs (⌈count / 8⌉), ties in increasing id. An expert with more tokens than a
+// block's token tile makes its blocks loop over its weights again; dispatched first, those
+// longer blocks overlap the later waves instead of ending the kernel's last one
+// (longest-processing-time-first; KERNEL_NOTES session 35: −2 to −3.5 % where the deep
+// one-subtile kernels make second passes). Passes, not counts: where every expert fits one
+// pass the order stays by id (ordering by count was 0.6–0.9 % slower at 16–32 tokens on
+// Nemotron, run 150). The key is passes·512 + (511 − e) (e < MAX_EXPERTS = 512), the passes
+// capped so it fits an int; an expert without pairs has no key (−1). Every grouping (block,
+// chunked, warp) orders by it.
+#define SLOT_PASS 8  // tokens per pass: the one-subtile decode kernels' token tile
+__device__ __forceinline__ int slot_key(int count, int e) {
+    return (ACTIVE_BY_COUNT ? min((count + SLOT_PASS - 1) / SLOT_PASS, 1 << 21) << 9 : 0) + (511 - e);
+}
 
 // Exclusive scan of v[0..n) in place by one warp; returns the total.
 __device__ int warp_exclusive_scan(int* v, int n) {
@@ -80,8 +104,34 @@ __device__ void place(const int* ids, int lo, int hi, int experts, int* hist, in
     }
 }
 
+// active[r] = the expert of rank r among the keys of keys[0..E) that are >= 0 (the larger key
+// first), num_active[0] = their number. Each expert's rank is counted by `parts` adjacent
+// lanes (as many as the block holds, at most a warp), each over every parts-th key, and summed
+// by shuffles: 16 keys per lane for E = 128 on 1024 threads. Needs a __syncthreads before.
+__device__ void active_by_key(int experts, const int* keys, int* active, int* num_active) {
+    int parts = 1;
+    while (parts < 32 && 2 * parts * experts <= (int)blockDim.x) parts *= 2;
+    const int span = (experts * parts + 31) & ~31;  // whole warps: every lane reaches the shuffles
+    for (int t = threadIdx.x; t < span; t += blockDim.x) {
+        const int e = t / parts, part = t % parts;
+        const int key = e < experts ? keys[e] : -1;
+        int above = 0, n = 0;
+        for (int f = part; f < experts; f += parts) {
+            const int kf = keys[f];
+            above += kf > key;
+            n += kf >= 0;
+        }
+        for (int o = parts / 2; o > 0; o >>= 1) {
+            above += __shfl_xor_sync(FULL_MASK, above, o);
+            n += __shfl_xor_sync(FULL_MASK, n, o);
+        }
+        if (part == 0 && key >= 0) active[above] = e;
+        if (t == 0) num_active[0] = n;
+    }
+}
+
 // offsets (exclusive prefix of counts[e], with offsets[E] = total), the active experts in
-// increasing id and their number, from counts in flags[0..E) (overwritten). One block.
+// `slot_key` order and their number, from counts in flags[0..E) (overwritten). One block.
 __device__ void finish_offsets(int experts, int* flags, int* offsets, int* active, int* num_active) {
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncthreads();
@@ -92,8 +142,20 @@ __device__ void finish_offsets(int experts, int* flags, int* offsets, int* activ
     __syncthreads();
     for (int e = threadIdx.x; e < experts; e += blockDim.x) offsets[e] = flags[e];
     __syncthreads();
-    for (int e = threadIdx.x; e < experts; e += blockDim.x)
-        flags[e] = (offsets[e + 1] - offsets[e]) > 0 ? 1 : 0;
+    bool multi = false;  // an expert needing more than one pass: an order other than by id
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        const int c = offsets[e + 1] - offsets[e];
+        multi |= c > SLOT_PASS;
+        flags[e] = c > 0 ? slot_key(c, e) : -1;
+    }
+    if (__syncthreads_or(ACTIVE_BY_COUNT && multi)) {
+        active_by_key(experts, flags, active, num_active);
+        return;
+    }
+    // Every key's passes are equal (1): slot_key's order is by id, the active experts' places an
+    // exclusive scan of their flags by warp 0 (cheaper on this one-block critical path than
+    // active_by_key's ranks: ~0.8 µs per forward at 8-32 tokens, run 151).
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) flags[e] = flags[e] >= 0 ? 1 : 0;
     __syncthreads();
     if (w == 0) {
         int n = warp_exclusive_scan(flags, experts);
@@ -129,28 +191,27 @@ __device__ void sort_pairs_block(const int* ids, int pairs, int experts, int* of
 // The grouping sort_pairs_block computes, for at most 32 pairs, by one warp (pair p = lane p),
 // with no shared memory or block barrier: rank(p) = #{q : e_q < e_p} + #{q < p : e_q = e_p},
 // offsets[x] = #{q : e_q < x}, and an expert's first pair writes it to active[#{distinct
-// experts below it}]. Same outputs as the block version (route_small's one-token batches spend
-// no time in the block version's 33·E-int histograms and their barriers).
+// experts with a larger slot_key}]. Same outputs as the block version (route_small's one-token
+// batches spend no time in the block version's 33·E-int histograms and their barriers).
 #define SORT_WARP_MAX_PAIRS 32
 __device__ void sort_pairs_warp(const int* ids, int pairs, int experts, int* offsets, int* sorted, int* active,
                                 int* num_active) {
     const int lane = threadIdx.x & 31;
     const int e = lane < pairs ? ids[lane] : experts;  // experts: above every valid id
-    int rank = 0;
+    int rank = 0, count = 0;
     bool first = lane < pairs;
     for (int j = 0; j < pairs; j++) {
         const int ej = __shfl_sync(FULL_MASK, e, j);
         rank += (ej < e) || (ej == e && j < lane);
+        count += ej == e;
         if (ej == e && j < lane) first = false;
     }
     const u32 firsts = __ballot_sync(FULL_MASK, first);
-    int below = 0;
-    for (int j = 0; j < pairs; j++) {
-        const int ej = __shfl_sync(FULL_MASK, e, j);
-        below += ((firsts >> j) & 1u) && ej < e;
-    }
+    const int key = first ? slot_key(count, e) : -1;
+    int above = 0;
+    for (int j = 0; j < pairs; j++) above += __shfl_sync(FULL_MASK, key, j) > key;
     if (lane < pairs) sorted[rank] = lane;
-    if (first) active[below] = e;
+    if (first) active[above] = e;
     if (lane == 0) num_active[0] = __popc(firsts);
     for (int base = 0; base <= experts; base += 32) {
         const int x = base + lane;

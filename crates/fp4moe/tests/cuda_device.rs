@@ -192,10 +192,35 @@ fn run_device(layer: &CudaLayer, x: &[f32], logits: &[f32]) -> (Vec<f32>, Vec<i3
     st.memcpy_htod(x, &mut ws.x).unwrap();
     let l = st.clone_htod(logits).unwrap();
     layer.forward_device(&mut ws, Some(&l)).unwrap();
-    (
-        st.clone_dtoh(&ws.out).unwrap(),
-        st.clone_dtoh(&ws.ids).unwrap(),
-    )
+    let ids = st.clone_dtoh(&ws.ids).unwrap();
+    let experts = layer.spec().shape.experts;
+    assert_grouping(&ws.grouping(&st).unwrap(), &ids, experts, "run_device");
+    (st.clone_dtoh(&ws.out).unwrap(), ids)
+}
+
+/// The device's grouping of `ids` (T·k routed expert ids) against one computed here: offsets by
+/// counting, each expert's pairs in increasing pair index, and the active experts (the decode
+/// GEMMs' slots) by decreasing 8-token passes (⌈pairs / 8⌉), ties in increasing id.
+fn assert_grouping(g: &fp4moe::cuda::ExpertGrouping, ids: &[i32], experts: usize, what: &str) {
+    let mut counts = vec![0i32; experts];
+    for &e in ids {
+        counts[e as usize] += 1;
+    }
+    let offsets: Vec<i32> = std::iter::once(0)
+        .chain(counts.iter().scan(0, |run, &c| {
+            *run += c;
+            Some(*run)
+        }))
+        .collect();
+    assert_eq!(g.offsets, offsets, "{what}: grouping offsets");
+    let mut sorted: Vec<i32> = (0..ids.len() as i32).collect();
+    sorted.sort_by_key(|&p| ids[p as usize]);
+    assert_eq!(g.sorted[..ids.len()], sorted[..], "{what}: sorted pairs");
+    let mut active: Vec<i32> = (0..experts as i32)
+        .filter(|&e| counts[e as usize] > 0)
+        .collect();
+    active.sort_by_key(|&e| (std::cmp::Reverse((counts[e as usize] + 7) / 8), e));
+    assert_eq!(g.active, active, "{what}: active experts' order");
 }
 
 /// A layer of `s` on the mma decode kernels (decode path forced), its weights (from `w_seed`,
@@ -215,6 +240,56 @@ fn mma_decode_layer(
     layer.set_gemm_path(Some(GemmPath::Decode));
     layer.set_decode_kernel(Some(DecodeKernel::Mma));
     (layer, w, x, logits)
+}
+
+/// The grouping's expert order (`assert_grouping`, in `run_device`) from every sort: one warp (at
+/// most 32 pairs), one block with every expert in one 8-token pass (ordered by id) and with
+/// busier ones (ranked: 512 experts share 1024 threads two per expert, 64 sixteen), and the
+/// chunked count / scan / place kernels (above 4096 pairs); skewed so that the counts spread
+/// over several passes (experts 5 and 9 get a boost for every second and third token).
+#[test]
+fn grouping_orders_experts_by_their_passes() {
+    if !common::gpu_available() {
+        return;
+    }
+    for (e, k, tokens) in [
+        (64, 6, 3),
+        (64, 6, 40),
+        (512, 8, 300),
+        (64, 6, 200),
+        (128, 8, 1000),
+    ] {
+        let s = spec(256, 128, e, k, Activation::Relu2NoMul, QuantMode::W4A16);
+        let x = random_tokens(tokens, 256, 9100 + tokens as u64);
+        let w = random_weights(&s, 9100 + e as u64).unwrap();
+        let mut logits = router_logits(&x, w.router.as_ref().unwrap(), 256, e);
+        for t in 0..tokens {
+            logits[t * e + 5] += if t % 2 == 0 { 30.0 } else { 0.0 };
+            logits[t * e + 9] += if t % 3 == 0 { 30.0 } else { 0.0 };
+        }
+        let mut layer = CudaLayer::new(&s, &w).unwrap();
+        for route in [RoutePath::Split, RoutePath::Fused] {
+            let fits = RoutePath::choose(
+                tokens,
+                k,
+                e,
+                layer.device().max_shared_bytes,
+                layer.router_tiled_from(),
+                Some(route),
+            ) == route;
+            if !fits {
+                continue;
+            }
+            layer.set_route_path(Some(route));
+            let (out, ids) = run_device(&layer, &x, &logits);
+            assert!(out.iter().all(|v| v.is_finite()), "non-finite output");
+            let busiest = (0..e as i32)
+                .map(|x| ids.iter().filter(|&&i| i == x).count())
+                .max()
+                .unwrap_or(0);
+            println!("grouping E{e} k{k} T{tokens} {route:?}: busiest expert {busiest} pairs");
+        }
+    }
 }
 
 /// The prefill GEMMs against the decode GEMMs (same layer, same routing) and a sample of tokens
@@ -503,6 +578,9 @@ fn assert_same_bits(
     let mut ws = fresh(layer);
     let base = forward_from(layer, &mut ws, source, logits, topk);
     let base_grouping = ws.grouping(&st).unwrap();
+    let ids: Vec<i32> = base[1].iter().map(|&i| i as i32).collect();
+    let experts = layer.spec().shape.experts;
+    assert_grouping(&base_grouping, &ids, experts, what);
     candidate(layer);
     let mut ws = fresh(layer);
     let cand = forward_from(layer, &mut ws, source, logits, topk);

@@ -166,8 +166,8 @@ pub const DEEP_GATED_FROM_TOKENS: usize = 4;
 pub const DEEP_NONGATED_GEMM2_FROM_TOKENS: usize = 8;
 
 /// Routed NVFP4 experts of a non-gated layer: GEMM1 takes the deep shape from this many tokens
-/// (one token subtile only: above 4 mean tokens per expert, rounded up, the wide two-subtile
-/// kernels run). Run
+/// (one token subtile only: above [`DEEP_NONGATED_ONE_SUBTILE_UP_TO`] mean tokens per expert,
+/// rounded up, the wide two-subtile kernels run). Run
 /// 148 (H200, Nemotron-3 Nano, both GEMMs deep against GEMM2 deep alone): 48 tokens 186.3 /
 /// 191.3 µs, 64 209.8 / 215.0, 80 232.9 / 238.8 (2.4-2.6 % faster, three or more waves of
 /// deep blocks); run 138 (the nibble-planar layout): GEMM1 deep level at 6, 32 and 64 tokens,
@@ -180,21 +180,33 @@ pub const DEEP_NONGATED_GEMM1_FROM_TOKENS: usize = 40;
 /// 139.2 / 170.6 µs, 6 152.9 / 174.8, 8 178.8 / 179.0.
 pub const DEEP_GATED_ONE_SUBTILE_UP_TO: usize = 8;
 
+/// Mean tokens per routed expert (rounded up) up to which a non-gated layer's deep decode GEMMs
+/// keep one token subtile. Run 150 (H200, Nemotron-3 Nano, the active experts ordered by pair
+/// count, forced decode with one subtile deep against the default two wide subtiles, µs, mean
+/// of two rounds): 88 tokens (4.1 per expert) 251.4 / 260.9, 96 (4.5) 256.1 / 261.0, 104 (4.9)
+/// 270.1 / 275.8, 112 (5.25) 281.6 / 276.8. Was 4 (the wide shape's) until session 35.
+pub const DEEP_NONGATED_ONE_SUBTILE_UP_TO: usize = 5;
+
 /// Token subtiles (8 tokens each) per pass of the mma decode GEMMs, from the mean tokens per
 /// expert under uniform routing (`per_expert`, rounded up): 1 for a batch of at most 8 tokens
-/// or up to 4 per expert (up to [`DEEP_GATED_ONE_SUBTILE_UP_TO`] for both GEMMs of a gated
-/// layer (`gated`) on the deep shape, which exists for one subtile), 2 up to 12, else 4.
-/// Busier experts take several passes (their weights come from L2 the second time); larger
-/// tiles cost more than that in occupancy (measured: docs/KERNEL_NOTES.md).
+/// or up to 4 per expert (on the deep shape, which exists for one subtile, up to
+/// [`DEEP_GATED_ONE_SUBTILE_UP_TO`] for both GEMMs of a gated layer (`gated`),
+/// [`DEEP_NONGATED_ONE_SUBTILE_UP_TO`] for a non-gated one), 2 up to 12, else 4. Busier
+/// experts take several passes (their weights come from L2 the second time; the grouping
+/// dispatches them first, `sort_pairs.cuh`); larger tiles cost more than that in occupancy
+/// (measured: docs/KERNEL_NOTES.md).
 pub(super) fn subtiles_wanted(
     tokens: usize,
     per_expert: usize,
     gated: bool,
     shape: GemmShape,
 ) -> usize {
-    let deep_gated = gated && shape == GemmShape::Deep;
-    if tokens <= 8 || per_expert <= 4 || (deep_gated && per_expert <= DEEP_GATED_ONE_SUBTILE_UP_TO)
-    {
+    let one_up_to = match (shape, gated) {
+        (GemmShape::Deep, true) => DEEP_GATED_ONE_SUBTILE_UP_TO,
+        (GemmShape::Deep, false) => DEEP_NONGATED_ONE_SUBTILE_UP_TO,
+        _ => 4,
+    };
+    if tokens <= 8 || per_expert <= one_up_to {
         1
     } else if per_expert <= 12 {
         2
@@ -822,7 +834,7 @@ mod tests {
     }
 
     #[test]
-    fn subtiles_follow_tokens_per_expert_and_the_deep_gated_shape() {
+    fn subtiles_follow_tokens_per_expert_and_the_deep_shape() {
         use GemmShape::{Deep, Wide};
         // (tokens, mean tokens per expert rounded up, gated layer, shape)
         for gated in [true, false] {
@@ -843,7 +855,11 @@ mod tests {
         assert_eq!(subtiles_wanted(80, 5, true, Deep), 1);
         assert_eq!(subtiles_wanted(200, up_to, true, Deep), 1);
         assert_eq!(subtiles_wanted(200, up_to + 1, true, Deep), 2);
-        assert_eq!(subtiles_wanted(80, 5, false, Deep), 2);
+        // A non-gated layer's up to DEEP_NONGATED_ONE_SUBTILE_UP_TO.
+        let up_to = DEEP_NONGATED_ONE_SUBTILE_UP_TO;
+        assert_eq!(subtiles_wanted(104, up_to, false, Deep), 1);
+        assert_eq!(subtiles_wanted(112, up_to + 1, false, Deep), 2);
+        assert_eq!(subtiles_wanted(104, up_to, false, Wide), 2);
     }
 
     #[test]
