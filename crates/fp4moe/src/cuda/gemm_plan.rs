@@ -28,8 +28,7 @@ pub enum GemmShape {
     /// resident, so one block's start (its routing reads, activation staging and first weight
     /// loads) overlaps three others' k loops, and no split-K exchange through shared memory.
     /// Each warp's chain is twice the wide one's, so it loses where the grid is about one wave
-    /// (the default rule: [`DEEP_GATED_FROM_TOKENS`], [`DEEP_NONGATED_GEMM1_FROM_TOKENS`],
-    /// [`DEEP_NONGATED_GEMM2_FROM_TOKENS`]).
+    /// (the default rule: [`DEEP_GATED_FROM_TOKENS`], [`DEEP_NONGATED_FROM_TOKENS`]).
     Deep,
 }
 
@@ -73,16 +72,16 @@ impl GemmShape {
     ///   Qwen3-30B-A3B 52.4 / 41.5; one token, mma kernels forced, runs 128 and 132: 37.9 /
     ///   35.0);
     /// - routed NVFP4 experts: deep for both GEMMs of a gated layer from
-    ///   [`DEEP_GATED_FROM_TOKENS`] tokens, for GEMM2 of a non-gated one from
-    ///   [`DEEP_NONGATED_GEMM2_FROM_TOKENS`] and its GEMM1 from
-    ///   [`DEEP_NONGATED_GEMM1_FROM_TOKENS`] (run 148), else wide. Run 138 (H200, µs per layer, wide /
+    ///   [`DEEP_GATED_FROM_TOKENS`] tokens, of a non-gated one from
+    ///   [`DEEP_NONGATED_FROM_TOKENS`] (run 153), else wide. Run 138 (H200, µs per layer, wide /
     ///   deep both / deep GEMM1 only / deep GEMM2 only; wide the mean of two rounds): Qwen3 4
     ///   tokens 57.0 / 53.3 / 54.4 / 55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.3 / 125.8 /
     ///   131.8 / 134.6, 64 154.4 / 144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block
     ///   per SM, whose start nothing hides); Nemotron 6 tokens 79.2 / 82.6 / 79.3 / 82.3, 8
     ///   95.7 / 98.4 / 99.8 / 94.5, 12 112.3 / 118.0 / 120.0 / 110.8, 32 177.8 / 173.8 / 177.7
     ///   / 173.4, 64 230.7 / 231.4 / 230.7 / 230.0 (two wide blocks per SM already overlap;
-    ///   deep loses where its grid is little more than one wave); run 137: 2 tokens, deep both,
+    ///   deep loses where its grid is little more than one wave; on session 33's weight layout
+    ///   Nemotron's deep GEMMs win from 6 tokens, run 153); run 137: 2 tokens, deep both,
     ///   Qwen3 43.4 against 36.5, Nemotron 57.4 against 45.2 (less than a wave: each warp's
     ///   chain doubles). bf16 routed experts are not measured with the deep shape and stay
     ///   wide.
@@ -127,10 +126,10 @@ impl GemmShape {
             _ => deep_if(
                 nvfp4
                     && tokens
-                        >= match (gated, gemm1) {
-                            (true, _) => DEEP_GATED_FROM_TOKENS,
-                            (false, true) => DEEP_NONGATED_GEMM1_FROM_TOKENS,
-                            (false, false) => DEEP_NONGATED_GEMM2_FROM_TOKENS,
+                        >= if gated {
+                            DEEP_GATED_FROM_TOKENS
+                        } else {
+                            DEEP_NONGATED_FROM_TOKENS
                         },
             ),
         }
@@ -160,19 +159,16 @@ pub(super) fn handoff_by_default(
 /// tokens (run 138: 4.8-11 % faster at 4-64 tokens on Qwen3-30B-A3B; run 137: 19 % slower at 2).
 pub const DEEP_GATED_FROM_TOKENS: usize = 4;
 
-/// Routed NVFP4 experts of a non-gated layer: GEMM2 takes the deep shape from this many tokens
-/// (run 138, Nemotron-3 Nano: GEMM2 deep 1.3-2.5 % faster at 8-32 tokens, level at 48-64, 3.9 %
-/// slower at 6).
-pub const DEEP_NONGATED_GEMM2_FROM_TOKENS: usize = 8;
-
-/// Routed NVFP4 experts of a non-gated layer: GEMM1 takes the deep shape from this many tokens
-/// (one token subtile only: above [`DEEP_NONGATED_ONE_SUBTILE_UP_TO`] mean tokens per expert,
-/// rounded up, the wide two-subtile kernels run). Run
-/// 148 (H200, Nemotron-3 Nano, both GEMMs deep against GEMM2 deep alone): 48 tokens 186.3 /
-/// 191.3 µs, 64 209.8 / 215.0, 80 232.9 / 238.8 (2.4-2.6 % faster, three or more waves of
-/// deep blocks); run 138 (the nibble-planar layout): GEMM1 deep level at 6, 32 and 64 tokens,
-/// 4-7 % slower at 8-12 (a grid of little more than one wave).
-pub const DEEP_NONGATED_GEMM1_FROM_TOKENS: usize = 40;
+/// Routed NVFP4 experts of a non-gated layer: both decode GEMMs take the deep shape from this
+/// many tokens (one token subtile only: above [`DEEP_NONGATED_ONE_SUBTILE_UP_TO`] mean tokens
+/// per expert, rounded up, the wide two-subtile kernels run). Run 153 (H200, Nemotron-3 Nano,
+/// µs, mean of two rounds, both GEMMs deep against the rule before it, GEMM2 deep from 8 and
+/// GEMM1 from 40): 4 tokens 60.1 / 57.6, 6 73.7 / 75.0, 8 84.3 / 87.8, 12 102.8 / 106.1, 16
+/// 127.8 / 128.9, 24 151.8 / 157.4, 32 163.2 / 170.3, 40 176.0 / 175.0; 2 tokens 53.6 / 41.4
+/// (less than a wave). Until session 35: GEMM2 from 8 (run 138, on the nibble-planar layout:
+/// GEMM1 deep 4-7 % slower at 8-12 tokens then) and GEMM1 from 40 (run 148: 2.4-2.6 % faster
+/// at 48-80 tokens).
+pub const DEEP_NONGATED_FROM_TOKENS: usize = 6;
 
 /// Mean tokens per routed expert up to which a gated layer's deep decode GEMMs keep one token
 /// subtile (busier experts take several passes) instead of the wide kernels' two. Run 148 (H200,
@@ -800,20 +796,13 @@ mod tests {
             // bf16 routed experts: not measured deep.
             assert_eq!(shape(64, 128, g1, true, false), Wide);
         }
-        // Non-gated: GEMM2 deep from DEEP_NONGATED_GEMM2_FROM_TOKENS, GEMM1 from
-        // DEEP_NONGATED_GEMM1_FROM_TOKENS.
-        let (from1, from2) = (
-            DEEP_NONGATED_GEMM1_FROM_TOKENS,
-            DEEP_NONGATED_GEMM2_FROM_TOKENS,
-        );
-        assert!(from1 > from2);
-        assert_eq!(shape(from2 - 1, 6 * (from2 - 1), false, false, true), Wide);
-        assert_eq!(shape(from2, 6 * from2, false, false, true), Deep);
-        assert_eq!(shape(64, 128, false, false, true), Deep);
-        assert_eq!(shape(from2, 6 * from2, true, false, true), Wide);
-        assert_eq!(shape(from1 - 1, 128, true, false, true), Wide);
-        assert_eq!(shape(from1, 128, true, false, true), Deep);
-        assert_eq!(shape(64, 128, true, false, true), Deep);
+        // Non-gated: both GEMMs deep from DEEP_NONGATED_FROM_TOKENS.
+        let from = DEEP_NONGATED_FROM_TOKENS;
+        for g1 in [true, false] {
+            assert_eq!(shape(from - 1, 6 * (from - 1), g1, false, true), Wide);
+            assert_eq!(shape(from, 6 * from, g1, false, true), Deep);
+            assert_eq!(shape(64, 128, g1, false, true), Deep);
+        }
         assert_eq!(shape(64, 128, false, false, false), Wide);
         assert_eq!(shape(64, 128, true, false, false), Wide);
         // A shape forced on the layer wins.
