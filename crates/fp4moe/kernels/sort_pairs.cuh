@@ -22,9 +22,9 @@
 // expert's pairs (⌈count / 8⌉), ties in increasing id. An expert with more tokens than a
 // block's token tile makes its blocks loop over its weights again; dispatched first, those
 // longer blocks overlap the later waves instead of ending the kernel's last one
-// (longest-processing-time-first; KERNEL_NOTES session 35: −2 to −3.5 % where the deep
-// one-subtile kernels make second passes). Passes, not counts: where every expert fits one
-// pass the order stays by id (ordering by count was 0.6–0.9 % slower at 16–32 tokens on
+// (longest-processing-time-first; KERNEL_NOTES session 35, run 150: −1.0 to −3.8 % where the
+// deep one-subtile kernels make second passes). Passes, not counts: where every expert fits
+// one pass the order stays by id (ordering by count was 0.6–0.9 % slower at 16–32 tokens on
 // Nemotron, run 150). The key is passes·512 + (511 − e) (e < MAX_EXPERTS = 512), the passes
 // capped so it fits an int; an expert without pairs has no key (−1). Every grouping (block,
 // chunked, warp) orders by it.
