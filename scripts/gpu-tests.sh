@@ -34,7 +34,7 @@ for t in .gpu/tests/*; do
   fi
 done
 rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=1; done
+for p in ${pids[@]+"${pids[@]}"}; do wait "$p" || rc=1; done
 for f in "$R"/test-*.txt; do
   echo "$(basename "$f"): $(grep -E '^test result' "$f" | tr '\n' ' ')"
   grep -E "panicked|FAILED|^error" "$f" | head -5

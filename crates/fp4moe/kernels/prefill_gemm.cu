@@ -52,8 +52,8 @@
 // 16-byte stores (GEMM2: the columns' pairs and router weights were fetched into shared memory
 // before the k loop).
 //
-// Work: blockIdx.x = row tile, blockIdx.y = the y-th (expert, NT-token tile) in active-expert
-// order; blocks past the last tile exit. An expert's last tile runs the narrowest width that holds
+// Work: blockIdx.x = row tile, blockIdx.y = the y-th (expert, NT-token tile) in increasing
+// expert id (`find_tile`); blocks past the last tile exit. An expert's last tile runs the narrowest width that holds
 // its tokens (NT or NT / 2, small tiles also NT / 4; wide tiles 256, 192, 128 or 64). Each output is summed by one thread
 // in a fixed order, the same for every width and tile: results are deterministic and equal
 // across tiles.

@@ -8,7 +8,7 @@ extern "C" __global__ void sort_pairs(const int* __restrict__ ids, int pairs, in
                                       int* __restrict__ offsets, int* __restrict__ sorted,
                                       int* __restrict__ active, int* __restrict__ num_active) {
     pdl_enter();
-    extern __shared__ int hist[];  // [32][experts], then flags[experts]
+    extern __shared__ int hist[];  // [32][experts], flags[experts], SLOT_COUNT_INTS
     sort_pairs_block(ids, pairs, experts, offsets, sorted, active, num_active, hist);
 }
 
@@ -36,13 +36,13 @@ extern "C" __global__ void scan_pair_counts(int* __restrict__ counts, int chunks
                                             int* __restrict__ offsets, int* __restrict__ active,
                                             int* __restrict__ num_active) {
     pdl_enter();
-    extern __shared__ int flags[];  // [experts]
+    extern __shared__ int flags[];  // [experts], then SLOT_COUNT_INTS
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         int c = 0;
         for (int b = 0; b < chunks; b++) c += counts[b * experts + e];
         flags[e] = c;
     }
-    finish_offsets(experts, flags, offsets, active, num_active);
+    finish_offsets(experts, flags, offsets, active, num_active, flags + experts);
     __syncthreads();
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         int run = offsets[e];

@@ -4,10 +4,9 @@
 // Pair p = t·k + j routed to expert ids[p]. Output: offsets[E+1] (exclusive prefix of counts),
 // sorted[offsets[e] + r] = the r-th pair of expert e in increasing p, active[0..n) the experts
 // with at least one pair, those needing most 8-token passes first (ties in increasing id;
-// `slot_key`), num_active[0] = n.
-// A 1024-thread block splits its
-// pairs over its 32 warps; a per-warp histogram (int [32][E] in shared memory, E <= 512) and
-// match_any ranks place pairs stably with no atomics.
+// `slot_key`), num_active[0] = n. A 1024-thread block splits its pairs over its 32 warps; a
+// per-warp histogram (int [32][E] in shared memory, E <= 512) and match_any ranks place pairs
+// stably with no atomics.
 #pragma once
 #include "common.cuh"
 
@@ -25,13 +24,19 @@
 // (longest-processing-time-first; KERNEL_NOTES session 35, run 150: −1.0 to −3.8 % where the
 // deep one-subtile kernels make second passes). Passes, not counts: where every expert fits
 // one pass the order stays by id (ordering by count was 0.6–0.9 % slower at 16–32 tokens on
-// Nemotron, run 150). The key is passes·512 + (511 − e) (e < MAX_EXPERTS = 512), the passes
-// capped so it fits an int; an expert without pairs has no key (−1). Every grouping (block,
-// chunked, warp) orders by it.
+// Nemotron, run 150). The key is passes·512 + (511 − e) (e < MAX_EXPERTS = 512); every
+// grouping (block, chunked, warp) orders by it.
+// Passes from SLOT_PASS_CAP up tie (248 tokens and more: ordered by id among themselves).
 #define SLOT_PASS 8  // tokens per pass: the one-subtile decode kernels' token tile
-__device__ __forceinline__ int slot_key(int count, int e) {
-    return (ACTIVE_BY_COUNT ? min((count + SLOT_PASS - 1) / SLOT_PASS, 1 << 21) << 9 : 0) + (511 - e);
+#define SLOT_PASS_CAP 31
+__device__ __forceinline__ int slot_passes(int count) {
+    return ACTIVE_BY_COUNT ? min((count + SLOT_PASS - 1) / SLOT_PASS, SLOT_PASS_CAP) : 0;
 }
+__device__ __forceinline__ int slot_key(int count, int e) { return slot_passes(count) * 512 + (511 - e); }
+
+// Shared ints `active_by_passes` counts in: [MAX_EXPERTS / 32 chunks][SLOT_PASS_CAP + 1 passes]
+// (cuda::route_plan::SLOT_COUNT_INTS).
+#define SLOT_COUNT_INTS 512
 
 // Exclusive scan of v[0..n) in place by one warp; returns the total.
 __device__ int warp_exclusive_scan(int* v, int n) {
@@ -104,35 +109,61 @@ __device__ void place(const int* ids, int lo, int hi, int experts, int* hist, in
     }
 }
 
-// active[r] = the expert of rank r among the keys of keys[0..E) that are >= 0 (the larger key
-// first), num_active[0] = their number. Each expert's rank is counted by `parts` adjacent
-// lanes (as many as the block holds, at most a warp), each over every parts-th key, and summed
-// by shuffles: 16 keys per lane for E = 128 on 1024 threads. Needs a __syncthreads before.
-__device__ void active_by_key(int experts, const int* keys, int* active, int* num_active) {
-    int parts = 1;
-    while (parts < 32 && 2 * parts * experts <= (int)blockDim.x) parts *= 2;
-    const int span = (experts * parts + 31) & ~31;  // whole warps: every lane reaches the shuffles
-    for (int t = threadIdx.x; t < span; t += blockDim.x) {
-        const int e = t / parts, part = t % parts;
-        const int key = e < experts ? keys[e] : -1;
-        int above = 0, n = 0;
-        for (int f = part; f < experts; f += parts) {
-            const int kf = keys[f];
-            above += kf > key;
-            n += kf >= 0;
+// active[r] = the active experts (a pair or more: offsets complete, after a __syncthreads) in
+// `slot_key` order, num_active[0] = their number, by a counting sort over the passes: an
+// expert's slot is the number of active experts with more passes, plus those with as many in
+// lower 32-expert chunks (per-chunk counts, scanned by warp 0, lane l for passes CAP − l), plus
+// those in its own chunk below it (match_any). A few shared-memory rounds whatever E, where
+// ranking each expert against every key took ~0.8 µs of the grouping's one block at E = 128
+// (run 151) and grows with E. `counts`: SLOT_COUNT_INTS shared ints. Complete after the
+// caller's next barrier.
+__device__ void active_by_passes(int experts, const int* offsets, int* active, int* num_active, int* counts) {
+    const int lane = threadIdx.x & 31, chunks = (experts + 31) >> 5, span = chunks * 32;
+    // Expert e's passes, -1 without pairs (or past the last expert).
+    auto passes_of = [&](int e) {
+        const int c = e < experts ? offsets[e + 1] - offsets[e] : 0;
+        return c > 0 ? slot_passes(c) : -1;
+    };
+    for (int i = threadIdx.x; i < span; i += blockDim.x) counts[i] = 0;
+    __syncthreads();
+    // Whole warps (span is a multiple of 32): a warp's 32 experts are one chunk.
+    for (int e = threadIdx.x; e < span; e += blockDim.x) {
+        const int ps = passes_of(e);
+        const u32 same = __match_any_sync(FULL_MASK, ps);
+        if (ps >= 0 && lane == __ffs(same) - 1) counts[(e >> 5) * 32 + ps] = __popc(same);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int ps = SLOT_PASS_CAP - lane;  // lane 0: the most passes, first
+        int total = 0;
+        for (int c = 0; c < chunks; c++) total += counts[c * 32 + ps];
+        int incl = total;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl += y;
         }
-        for (int o = parts / 2; o > 0; o >>= 1) {
-            above += __shfl_xor_sync(FULL_MASK, above, o);
-            n += __shfl_xor_sync(FULL_MASK, n, o);
+        int run = incl - total;
+        for (int c = 0; c < chunks; c++) {
+            const int n = counts[c * 32 + ps];
+            counts[c * 32 + ps] = run;
+            run += n;
         }
-        if (part == 0 && key >= 0) active[above] = e;
-        if (t == 0) num_active[0] = n;
+        if (lane == 31) num_active[0] = incl;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < span; e += blockDim.x) {
+        const int ps = passes_of(e);
+        const u32 same = __match_any_sync(FULL_MASK, ps);
+        if (ps >= 0) active[counts[(e >> 5) * 32 + ps] + __popc(same & ((1u << lane) - 1))] = e;
     }
 }
 
 // offsets (exclusive prefix of counts[e], with offsets[E] = total), the active experts in
-// `slot_key` order and their number, from counts in flags[0..E) (overwritten). One block.
-__device__ void finish_offsets(int experts, int* flags, int* offsets, int* active, int* num_active) {
+// `slot_key` order and their number, from counts in flags[0..E) (overwritten). `slot_counts`:
+// SLOT_COUNT_INTS shared ints. One block.
+__device__ void finish_offsets(int experts, int* flags, int* offsets, int* active, int* num_active,
+                               int* slot_counts) {
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncthreads();
     if (w == 0) {
@@ -142,32 +173,11 @@ __device__ void finish_offsets(int experts, int* flags, int* offsets, int* activ
     __syncthreads();
     for (int e = threadIdx.x; e < experts; e += blockDim.x) offsets[e] = flags[e];
     __syncthreads();
-    bool multi = false;  // an expert needing more than one pass: an order other than by id
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-        const int c = offsets[e + 1] - offsets[e];
-        multi |= c > SLOT_PASS;
-        flags[e] = c > 0 ? slot_key(c, e) : -1;
-    }
-    if (__syncthreads_or(ACTIVE_BY_COUNT && multi)) {
-        active_by_key(experts, flags, active, num_active);
-        return;
-    }
-    // Every key's passes are equal (1): slot_key's order is by id, the active experts' places an
-    // exclusive scan of their flags by warp 0 (cheaper on this one-block critical path than
-    // active_by_key's ranks: ~0.8 µs per forward at 8-32 tokens, run 151).
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) flags[e] = flags[e] >= 0 ? 1 : 0;
-    __syncthreads();
-    if (w == 0) {
-        int n = warp_exclusive_scan(flags, experts);
-        if (lane == 0) num_active[0] = n;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < experts; e += blockDim.x)
-        if (offsets[e + 1] - offsets[e] > 0) active[flags[e]] = e;
+    active_by_passes(experts, offsets, active, num_active, slot_counts);
 }
 
 // The whole sort of `pairs` pairs by one block of 1024 threads (32 warps). Shared memory `hist`:
-// 33·E ints ([32][E] histograms, then flags[E]). `ids` may have been written by this block before
+// 33·E + SLOT_COUNT_INTS ints ([32][E] histograms, flags[E], the pass counts). `ids` may have been written by this block before
 // a __syncthreads (route_small): plain loads, no read-only cache.
 __device__ void sort_pairs_block(const int* ids, int pairs, int experts, int* offsets, int* sorted,
                                  int* active, int* num_active, int* hist) {
@@ -181,7 +191,7 @@ __device__ void sort_pairs_block(const int* ids, int pairs, int experts, int* of
         for (int v = 0; v < 32; v++) c += hist[v * experts + e];
         flags[e] = c;
     }
-    finish_offsets(experts, flags, offsets, active, num_active);
+    finish_offsets(experts, flags, offsets, active, num_active, flags + experts);
     __syncthreads();
     warp_bases(offsets, experts, hist);
     __syncthreads();

@@ -161,7 +161,7 @@ pub const DEEP_GATED_FROM_TOKENS: usize = 4;
 
 /// Routed NVFP4 experts of a non-gated layer: both decode GEMMs take the deep shape from this
 /// many tokens (one token subtile only: above [`DEEP_NONGATED_ONE_SUBTILE_UP_TO`] mean tokens
-/// per expert, rounded up, the wide two-subtile kernels run). Run 153 (H200, Nemotron-3 Nano,
+/// per expert, rounded up, the wide kernels with two or four subtiles run). Run 153 (H200, Nemotron-3 Nano,
 /// µs, mean of two rounds, both GEMMs deep against the rule before it, GEMM2 deep from 8 and
 /// GEMM1 from 40): 4 tokens 60.1 / 57.6, 6 73.7 / 75.0, 8 84.3 / 87.8, 12 102.8 / 106.1, 16
 /// 127.8 / 128.9, 24 151.8 / 157.4, 32 163.2 / 170.3, 40 176.0 / 175.0; 2 tokens 53.6 / 41.4

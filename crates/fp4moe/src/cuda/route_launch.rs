@@ -231,7 +231,7 @@ impl CudaLayer {
         };
         let e = experts as usize;
         if pairs as usize <= SORT_ONE_BLOCK_MAX {
-            return self.launch("sort_pairs", block(1, 33 * e), |b| {
+            return self.launch("sort_pairs", block(1, 33 * e + SLOT_COUNT_INTS), |b| {
                 b.arg(&ids)
                     .arg(&pairs)
                     .arg(&experts)
@@ -251,7 +251,7 @@ impl CudaLayer {
                 .arg(&chunk)
                 .arg(&counts);
         })?;
-        self.launch("scan_pair_counts", block(1, e), |b| {
+        self.launch("scan_pair_counts", block(1, e + SLOT_COUNT_INTS), |b| {
             b.arg(&counts)
                 .arg(&nchunks)
                 .arg(&experts)

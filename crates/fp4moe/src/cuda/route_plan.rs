@@ -13,6 +13,11 @@ pub(super) const SORT_CHUNK: usize = 2048;
 /// Most pairs the one-block pair sort (`sort_pairs`, and `route_small`'s sort) takes.
 pub(super) const SORT_ONE_BLOCK_MAX: usize = 2 * SORT_CHUNK;
 
+/// Shared ints the pair sort's expert ordering counts in after its `33·E` (`sort_pairs`,
+/// `route_small`) or `E` (`scan_pair_counts`): `[MAX_EXPERTS / 32][32]` pass counts
+/// (`SLOT_COUNT_INTS` in sort_pairs.cuh).
+pub(super) const SLOT_COUNT_INTS: usize = 512;
+
 /// Largest token count routed by the fused `route_small` kernel by default. The fused kernel
 /// saves three launches but runs top-k, the sort and the input preparation of the whole batch
 /// in one block. Measured on the H200 (W4A16, µs per layer, fused / split, the split path's
@@ -79,7 +84,7 @@ pub(super) fn route_topk_warps(tokens: usize) -> usize {
 }
 
 /// Dynamic shared memory of `route_small`: the larger of its top-k scratch (`2·E + 64` floats
-/// per top-k warp, when it selects) and its pair sort's (`33·E` ints); the input preparation
+/// per top-k warp, when it selects) and its pair sort's (`33·E + SLOT_COUNT_INTS` ints); the input preparation
 /// needs none.
 pub(super) fn route_small_smem(tokens: usize, experts: usize, selects: bool) -> usize {
     let topk = if selects {
@@ -87,7 +92,7 @@ pub(super) fn route_small_smem(tokens: usize, experts: usize, selects: bool) -> 
     } else {
         0
     };
-    4 * topk.max(33 * experts)
+    4 * topk.max(33 * experts + SLOT_COUNT_INTS)
 }
 
 /// Warps per router logit up to `ROUTER_SLICED_MAX_LOGITS` logits (`RL_SLICES`,
@@ -396,10 +401,10 @@ mod tests {
             Fused
         );
         // Shared memory: top-k scratch (2·E + 64 floats per warp, at most 16 warps) or the
-        // sort's 33·E ints, whichever is larger.
-        assert_eq!(route_small_smem(1, 128, true), 4 * 33 * 128);
-        assert_eq!(route_small_smem(16, 512, true), 4 * 16 * (2 * 512 + 64));
+        // sort's 33·E + 512 ints, whichever is larger.
+        assert_eq!(route_small_smem(1, 128, true), 4 * (33 * 128 + 512));
+        assert_eq!(route_small_smem(16, 256, true), 4 * 16 * (2 * 256 + 64));
         assert_eq!(route_small_smem(100, 512, true), 4 * 16 * (2 * 512 + 64));
-        assert_eq!(route_small_smem(16, 512, false), 4 * 33 * 512);
+        assert_eq!(route_small_smem(16, 512, false), 4 * (33 * 512 + 512));
     }
 }
