@@ -25,8 +25,8 @@
 // deep one-subtile kernels make second passes). Passes, not counts: where every expert fits
 // one pass the order stays by id (ordering by count was 0.6–0.9 % slower at 16–32 tokens on
 // Nemotron, run 150). The key is passes·512 + (511 − e) (e < MAX_EXPERTS = 512); every
-// grouping (block, chunked, warp) orders by it.
-// Passes from SLOT_PASS_CAP up tie (248 tokens and more: ordered by id among themselves).
+// grouping (block, chunked, warp) orders by it. Passes from SLOT_PASS_CAP up tie (248 tokens
+// and more: ordered by id among themselves).
 #define SLOT_PASS 8  // tokens per pass: the one-subtile decode kernels' token tile
 #define SLOT_PASS_CAP 31
 __device__ __forceinline__ int slot_passes(int count) {
@@ -177,8 +177,9 @@ __device__ void finish_offsets(int experts, int* flags, int* offsets, int* activ
 }
 
 // The whole sort of `pairs` pairs by one block of 1024 threads (32 warps). Shared memory `hist`:
-// 33·E + SLOT_COUNT_INTS ints ([32][E] histograms, flags[E], the pass counts). `ids` may have been written by this block before
-// a __syncthreads (route_small): plain loads, no read-only cache.
+// 33·E + SLOT_COUNT_INTS ints ([32][E] histograms, flags[E], the pass counts). `ids` may have
+// been written by this block before a __syncthreads (route_small): plain loads, no read-only
+// cache.
 __device__ void sort_pairs_block(const int* ids, int pairs, int experts, int* offsets, int* sorted,
                                  int* active, int* num_active, int* hist) {
     int* flags = hist + 32 * experts;
