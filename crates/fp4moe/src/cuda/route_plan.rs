@@ -330,6 +330,18 @@ mod tests {
     }
 
     #[test]
+    fn sort_shared_memory_matches_the_kernels() {
+        // The pass counts the sorts order the active experts by: one int per (32-expert chunk,
+        // passes 0..=SLOT_PASS_CAP) for up to MAX_EXPERTS experts, after the launches' 33·E / E.
+        let define = |name| compile::kernel_define("sort_pairs.cuh", name);
+        assert_eq!(define("SLOT_COUNT_INTS"), SLOT_COUNT_INTS);
+        let chunks = crate::cuda::MAX_EXPERTS.div_ceil(32);
+        assert_eq!(chunks * (define("SLOT_PASS_CAP") + 1), SLOT_COUNT_INTS);
+        // Warp 0 scans the counts with one lane per passes value.
+        assert_eq!(define("SLOT_PASS_CAP"), 31);
+    }
+
+    #[test]
     fn router_launch_constants_match_the_kernels() {
         assert_eq!(compile::kernel_define("routing.cu", "RL_WARPS"), 32);
         // The tiled launches' blocks (64 x 64 SIMT, 32 x 32 TF32).
