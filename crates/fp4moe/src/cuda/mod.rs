@@ -532,8 +532,9 @@ pub struct ExpertGrouping {
     pub offsets: Vec<i32>,
     /// `[T·k]`: pair indices `t·k + j`, by expert, increasing within an expert.
     pub sorted: Vec<i32>,
-    /// The experts with at least one pair, by decreasing ⌈pairs / 8⌉ (8-token passes), ties in
-    /// increasing id: the decode GEMMs' slot order (`sort_pairs.cuh`'s `slot_key`).
+    /// The experts with at least one pair, by decreasing ⌈pairs / 8⌉ (8-token passes, equal from
+    /// 31 on), ties in increasing id: the decode GEMMs' slot order (`sort_pairs.cuh`'s
+    /// `slot_key`).
     pub active: Vec<i32>,
 }
 
