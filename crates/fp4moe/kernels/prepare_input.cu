@@ -1,11 +1,19 @@
 // Layer input → bf16 GEMM operand, one block per token (formulas: prepare_input.cuh).
 #include "prepare_input.cuh"
 
+// Launched right after the pair sort (`CudaLayer::group_device`), it prepares its rows without
+// waiting for it, so the two overlap: it reads the layer input and writes `a` / `xs`, which only
+// the previous forward's GEMMs read, and all of that was settled before this grid launched (its
+// predecessor lets dependents launch only after its own wait, which follows top-k's, which
+// follows the router's, which follows the previous forward's end). Block 0 waits at exit, so
+// this grid completes after the sort: GEMM1 waits on this grid alone and reads both (the chain
+// gemm_exit in gemm_common.cuh relies on too).
 extern "C" __global__ void prepare_input(const float* __restrict__ x, __nv_bfloat16* __restrict__ a,
                                          __nv_bfloat16* __restrict__ xs, int hidden, float gs) {
-    pdl_enter();
+    pdl_launch_dependents();
     size_t row = (size_t)blockIdx.x * hidden;
     prepare_row(x + row, a + row, xs ? xs + row : nullptr, hidden, gs, threadIdx.x, blockDim.x);
+    if (blockIdx.x == 0 && threadIdx.x == 0) pdl_wait();
 }
 
 // inv[sorted[i]] = i: each routed pair's row in sorted order, for prepare_input_sorted.

@@ -59,6 +59,79 @@ extern "C" __global__ void __launch_bounds__(RL_WARPS * 32)
     router_logits_block(x, w, logits, tokens * experts, experts, hidden, part, blockIdx.x, RL_WARPS);
 }
 
+// The same logits, bitwise, beyond RL_SLICED_MAX_LOGITS (one warp per logit there): a warp
+// computes RM_TOK tokens x RM_EXP experts at once, each logit with router_logit_slice's
+// instructions for one slice (lane-strided 16-byte pieces into four fmaf chains in k order,
+// (s0 + s1) + (s2 + s3), warp_sum, then router_logits_block's sum over its one slice from 0,
+// which turns -0 into +0), so only the loads are shared: per 16-byte step RM_TOK + RM_EXP loads
+// feed RM_TOK · RM_EXP logits where a warp per logit took two per logit. The 8 warps of a block
+// cover RM_BT = 4·RM_TOK tokens x RM_BE = 2·RM_EXP experts (each x row read by two warps, each
+// router row by four, through L1): 16 rows of L2 traffic per 64 logits, where a warp per logit
+// read ~33 per 32 (its block's 8 logits share one x row). Needs hidden % 4 == 0 (the layer's
+// hidden size is a multiple of 16). Grid: (ceil(E / RM_BE), ceil(T / RM_BT)).
+#define RM_TOK 2
+#define RM_EXP 4
+// 16-byte steps per lane unrolled, for loads in flight: the kernel runs a warp per 8 logits, 8
+// warps per SM at 64 tokens (run 159, against 2: the layer 1-4 % faster at 16-112 tokens).
+// A knob for FP4MOE_DEFINES.
+#ifndef RM_UNROLL
+#define RM_UNROLL 4
+#endif
+#define RM_BT 8
+#define RM_BE 8
+static_assert(RM_BT == 4 * RM_TOK && RM_BE == 2 * RM_EXP, "8 warps: 4 token groups x 2 expert groups");
+extern "C" __global__ void __launch_bounds__(256) router_logits_multi(const float* __restrict__ x,
+                                                                      const float* __restrict__ w,
+                                                                      float* __restrict__ logits, int tokens,
+                                                                      int hidden, int experts) {
+    pdl_enter();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t0 = blockIdx.y * RM_BT + (warp >> 1) * RM_TOK;
+    const int e0 = blockIdx.x * RM_BE + (warp & 1) * RM_EXP;
+    if (t0 >= tokens || e0 >= experts) return;  // whole warps; no block barrier below
+    const int n4 = hidden / 4;
+    // Rows past the end repeat the last one (their sums are not stored).
+    const float4* xr[RM_TOK];
+    const float4* wr[RM_EXP];
+#pragma unroll
+    for (int i = 0; i < RM_TOK; i++) xr[i] = reinterpret_cast<const float4*>(x) + (size_t)min(t0 + i, tokens - 1) * n4;
+#pragma unroll
+    for (int j = 0; j < RM_EXP; j++)
+        wr[j] = reinterpret_cast<const float4*>(w) + (size_t)min(e0 + j, experts - 1) * n4;
+    float s[RM_TOK][RM_EXP][4];
+#pragma unroll
+    for (int i = 0; i < RM_TOK; i++)
+#pragma unroll
+        for (int j = 0; j < RM_EXP; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) s[i][j][c] = 0.0f;
+#pragma unroll RM_UNROLL
+    for (int c = lane; c < n4; c += 32) {
+        float4 a[RM_TOK], b[RM_EXP];
+#pragma unroll
+        for (int i = 0; i < RM_TOK; i++) a[i] = xr[i][c];
+#pragma unroll
+        for (int j = 0; j < RM_EXP; j++) b[j] = wr[j][c];
+#pragma unroll
+        for (int i = 0; i < RM_TOK; i++)
+#pragma unroll
+            for (int j = 0; j < RM_EXP; j++) {
+                s[i][j][0] = fmaf(a[i].x, b[j].x, s[i][j][0]);
+                s[i][j][1] = fmaf(a[i].y, b[j].y, s[i][j][1]);
+                s[i][j][2] = fmaf(a[i].z, b[j].z, s[i][j][2]);
+                s[i][j][3] = fmaf(a[i].w, b[j].w, s[i][j][3]);
+            }
+    }
+#pragma unroll
+    for (int i = 0; i < RM_TOK; i++)
+#pragma unroll
+        for (int j = 0; j < RM_EXP; j++) {
+            const float v = warp_sum((s[i][j][0] + s[i][j][1]) + (s[i][j][2] + s[i][j][3]));
+            if (lane == 0 && t0 + i < tokens && e0 + j < experts)
+                logits[(size_t)(t0 + i) * experts + e0 + j] = 0.0f + v;
+        }
+}
+
 // The same logits for many tokens: 64 tokens x 64 experts per 256-thread block, each thread
 // owning 4 tokens x 4 experts. 32-wide k chunks are staged (transposed) in shared memory; the
 // next chunk's loads are in flight while the current one is multiplied. Every logit is one

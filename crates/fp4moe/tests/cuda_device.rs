@@ -741,6 +741,10 @@ fn fused_routing_matches_split_bitwise() {
     for t in [1, 16] {
         check_fused(s, t, 7200 + t as u64);
     }
+    // The split path's router_logits_multi against a warp per logit (the fused kernel's) on
+    // partial tiles along both axes: an odd token count, experts not a multiple of 8.
+    let s = spec(1024, 512, 60, 6, Activation::Silu, QuantMode::W4A16);
+    check_fused(s, 37, 7300);
 }
 
 /// The one-token layer in one launch (`one_token.cu`) against the split path on the same layer,

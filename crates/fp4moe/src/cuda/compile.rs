@@ -98,6 +98,7 @@ pub fn kernel_names(file: &str) -> Vec<String> {
     let fixed: &[&str] = match file {
         "routing.cu" => &[
             "router_logits",
+            "router_logits_multi",
             "router_logits_tiled",
             "router_logits_tf32x3",
             "router_logits_wide",

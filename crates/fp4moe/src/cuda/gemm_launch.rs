@@ -233,7 +233,13 @@ impl CudaLayer {
         slots: usize,
     ) -> (PrefillTile, PrefillFeed) {
         let forced_tile = self.prefill_tile.or_else(PrefillTile::from_env);
-        let tile = PrefillTile::choose(pairs, slots, self.dev.max_shared_bytes, forced_tile);
+        let tile = PrefillTile::choose(
+            pairs,
+            slots,
+            self.spec.activation.is_gated(),
+            self.dev.max_shared_bytes,
+            forced_tile,
+        );
         let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
         let per_expert = pairs / slots.max(1);
         let choose = |tile: PrefillTile| {

@@ -247,9 +247,26 @@ pub const PREFILL_DENSE_GATED_FROM_QUARTERS: usize = 12;
 /// routed rule), not re-measured either.
 pub const PREFILL_DENSE_NONGATED_FROM_QUARTERS: usize = 15;
 
-/// Mean tokens per expert from which the prefill path uses 128-token tiles (measured: 32-token
-/// tiles are faster at 24, slower at 48; run 15).
-pub const PREFILL_LARGE_TILE_FROM: usize = 32;
+/// Mean tokens per expert (`pairs / experts`, rounded down) from which a gated layer's prefill
+/// path uses the 128-token tiles instead of the 32-token ones. docs/KERNEL_NOTES.md run 159
+/// (H200, Qwen3-30B-A3B, the layer, µs, dual 128-token against 32-token tiles, two rounds): 32
+/// per expert (512 tokens) 263.5 / 238.0, 36 (576) 266.7 / 272.9, 40 266.7 / 293.4, 48 (768)
+/// 278.2 / 318.0. Was 32 for both kinds from run 15 (on kernels long replaced) to session 35.
+pub const PREFILL_LARGE_TILE_FROM_GATED: usize = 33;
+
+/// The same for a non-gated layer. Run 159 (Nemotron-3 Nano, µs, as above): 33 per expert (704
+/// tokens) 502.4 / 483.7, 36 (768) 515.7 / 512.0, 39 (832) 522.1 / 545.4, 42 (896) 534.7 /
+/// 565.5.
+pub const PREFILL_LARGE_TILE_FROM_NONGATED: usize = 37;
+
+/// [`PREFILL_LARGE_TILE_FROM_GATED`] or [`PREFILL_LARGE_TILE_FROM_NONGATED`].
+pub const fn prefill_large_tile_from(gated: bool) -> usize {
+    if gated {
+        PREFILL_LARGE_TILE_FROM_GATED
+    } else {
+        PREFILL_LARGE_TILE_FROM_NONGATED
+    }
+}
 
 /// Mean tokens per expert from which GEMM1 uses 256-token tiles where they apply (sm_90a, TMA
 /// feed, K from [`PREFILL_WIDE_MIN_K`]); below it, and for GEMM2 always (since run 106), the
@@ -293,7 +310,7 @@ pub enum PrefillTile {
     /// `prefill_dual_*`: 128-token tiles over 128 weight rows, two blocks of 8 warps per SM, so
     /// one block's fill and epilogue overlap the other's MMAs. TMA-fed only, like
     /// [`PrefillTile::Wide`]: where that feed does not apply, [`PrefillTile::Large`] runs
-    /// instead. The default from [`PREFILL_LARGE_TILE_FROM`] tokens per expert.
+    /// instead. The default from [`prefill_large_tile_from`] tokens per expert.
     Dual,
 }
 
@@ -310,8 +327,9 @@ impl PrefillTile {
         tuning_choice(&KNOB, "FP4MOE_PREFILL_TILE", &choices)
     }
 
-    /// The tile for `pairs` pairs over `experts` experts: `forced` when given, else the dual
-    /// 128-token tiles from [`PREFILL_LARGE_TILE_FROM`] mean tokens per expert (a GEMM may still
+    /// The tile for `pairs` pairs over `experts` experts of a gated (`gated`) or non-gated
+    /// layer: `forced` when given, else the dual 128-token tiles from
+    /// [`prefill_large_tile_from`] mean tokens per expert (a GEMM may still
     /// take wide ones: `PrefillTile::for_gemm`), 32-token tiles below; the next smaller tile
     /// whenever the device lacks a tile's shared memory (sm_86/89's 99 KB hold only the
     /// 32-token tiles, A100's 163 KB the 128-token ones). Wide and dual tiles also need the TMA
@@ -319,11 +337,12 @@ impl PrefillTile {
     pub fn choose(
         pairs: usize,
         experts: usize,
+        gated: bool,
         max_shared_bytes: usize,
         forced: Option<Self>,
     ) -> Self {
         let per_expert = pairs / experts.max(1);
-        let wanted = forced.unwrap_or(if per_expert >= PREFILL_LARGE_TILE_FROM {
+        let wanted = forced.unwrap_or(if per_expert >= prefill_large_tile_from(gated) {
             PrefillTile::Dual
         } else {
             PrefillTile::Small
@@ -957,7 +976,7 @@ mod tests {
     fn prefill_tile_follows_tokens_per_expert_and_shared_memory() {
         let (h200, sm89) = (227 * 1024, 99 * 1024);
         // Nemotron-3 Nano: 512 tokens = 24 per expert, 1024 = 48, 4096 = 192.
-        let tile = |pairs, smem, forced| PrefillTile::choose(pairs, 128, smem, forced);
+        let tile = |pairs, smem, forced| PrefillTile::choose(pairs, 128, false, smem, forced);
         let (dual, wide) = (PrefillTile::Dual, PrefillTile::Wide);
         assert_eq!(tile(512 * 6, h200, None), PrefillTile::Small);
         assert_eq!(tile(1024 * 6, h200, None), dual);
@@ -970,8 +989,15 @@ mod tests {
         assert_eq!(tile(4096 * 6, 163 * 1024, None), dual);
         assert_eq!(dual.for_feed(PrefillFeed::CpAsync), PrefillTile::Large);
         assert!(wide.shared_bytes() <= h200);
-        assert_eq!(tile(32 * 128, h200, None), dual);
-        assert_eq!(tile(31 * 128, h200, None), PrefillTile::Small);
+        // The thresholds per expert kind (mean tokens per expert, rounded down).
+        assert_eq!(tile(37 * 128, h200, None), dual);
+        assert_eq!(tile(37 * 128 - 1, h200, None), PrefillTile::Small);
+        let gated = |pairs| PrefillTile::choose(pairs, 128, true, h200, None);
+        assert_eq!(gated(33 * 128), dual);
+        assert_eq!(gated(33 * 128 - 1), PrefillTile::Small);
+        // Qwen3-30B-A3B (top-8): 512 tokens = 32 per expert, 576 = 36.
+        assert_eq!(gated(512 * 8), PrefillTile::Small);
+        assert_eq!(gated(576 * 8), dual);
         assert_eq!(tile(1024 * 6, sm89, None), PrefillTile::Small);
         assert_eq!(tile(1024 * 6, 120 * 1024, None), PrefillTile::Small);
         let forced = Some(PrefillTile::Large);

@@ -63,18 +63,29 @@ impl CudaLayer {
                         shared_mem_bytes: 0,
                     };
                     (name, cfg)
-                } else {
-                    // 32 warps for sliced logits, 8 (a logit each) beyond: the launch shape of
-                    // the warp-per-logit kernel before slicing (KERNEL_NOTES run 32).
+                } else if ws.tokens * self.spec.shape.experts <= ROUTER_SLICED_MAX_LOGITS {
+                    // 32 warps, each logit's k split over ROUTER_SLICES of them.
                     let n = ws.tokens * self.spec.shape.experts;
-                    let warps = if n <= ROUTER_SLICED_MAX_LOGITS { 32 } else { 8 };
-                    let per_block = warps / router_slices(n);
                     let cfg = LaunchConfig {
-                        grid_dim: (n.div_ceil(per_block) as u32, 1, 1),
-                        block_dim: (warps as u32 * 32, 1, 1),
+                        grid_dim: (n.div_ceil(router_logits_per_block(n)) as u32, 1, 1),
+                        block_dim: (32 * 32, 1, 1),
                         shared_mem_bytes: 0,
                     };
                     ("router_logits", cfg)
+                } else {
+                    // Beyond, a warp per 2 tokens x 4 experts (the bits of a warp per logit,
+                    // the kernel until session 36, with a quarter of its L2 reads).
+                    let (bt, be) = ROUTER_MULTI_TILE;
+                    let cfg = LaunchConfig {
+                        grid_dim: (
+                            self.spec.shape.experts.div_ceil(be) as u32,
+                            ws.tokens.div_ceil(bt) as u32,
+                            1,
+                        ),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    ("router_logits_multi", cfg)
                 };
                 self.launch(name, cfg, |b| {
                     b.arg(&x).arg(&rp).arg(&l).arg(&t).arg(&h).arg(&e);

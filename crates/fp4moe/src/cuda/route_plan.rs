@@ -109,6 +109,11 @@ pub(super) fn router_slices(logits: usize) -> usize {
     }
 }
 
+/// Tokens x experts per block of `router_logits_multi` (`RM_BT`, `RM_BE` in routing.cu), the
+/// split path's logits beyond `ROUTER_SLICED_MAX_LOGITS` (a warp per 2 x 4 of them, bitwise a
+/// warp per logit's).
+pub(super) const ROUTER_MULTI_TILE: (usize, usize) = (8, 8);
+
 /// Logits per 32-warp block (`route_small`, and `router_logits` up to
 /// `ROUTER_SLICED_MAX_LOGITS` logits) for `logits` logits.
 pub(super) fn router_logits_per_block(logits: usize) -> usize {
@@ -372,6 +377,11 @@ mod tests {
         assert!(routing_cuh.contains(&format!("#define RL_SLICES {ROUTER_SLICES}\n")));
         let max = format!("#define RL_SLICED_MAX_LOGITS {ROUTER_SLICED_MAX_LOGITS}\n");
         assert!(routing_cuh.contains(&max));
+        assert_eq!(
+            (wide("RM_BT"), wide("RM_BE")),
+            ROUTER_MULTI_TILE,
+            "router_logits_multi's block tile"
+        );
         assert_eq!(router_logits_per_block(128), 4);
         assert_eq!(router_logits_per_block(1025), 32);
     }
