@@ -9,7 +9,7 @@ mod common;
 use fp4moe::calibration::calibrate_with_router;
 use fp4moe::cuda::{
     router_bf16_splits, router_wide_splits, CudaLayer, CudaWorkspace, DecodeKernel, GemmPath,
-    GemmShape, PrefillFeed, PrefillTile, RoutePath, RouterKernel,
+    GemmShape, PrefillFeed, PrefillTile, RoutePath, RouterKernel, ROUTER_BF16_FROM,
 };
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
@@ -1379,8 +1379,8 @@ fn router_logits_bf16_match_the_cpu() {
         return;
     }
     // A bf16 router (as every checkpoint's), H not a multiple of the 32-k chunk, E not of the
-    // 128-expert tile, k split in 8 (300 and 1100 tokens) and unsplit (8500); below its 128
-    // tokens the warp-per-logit kernel runs (100). Tokens 32..63 of each 64-token tile get full
+    // 128-expert tile, k split in 8 (300 and 1100 tokens) and unsplit (8500); below its
+    // ROUTER_BF16_FROM tokens the warp-per-logit kernels run (100: router_logits_multi). Tokens 32..63 of each 64-token tile get full
     // f32 mantissas, so some warps (16 tokens) take the three-MMA path and others the bf16 one;
     // both must match the CPU's f32 sum.
     let h = 2064;
@@ -1396,7 +1396,7 @@ fn router_logits_bf16_match_the_cpu() {
     let mut simt = CudaLayer::new(&s, &w).unwrap();
     simt.set_router_kernel(Some(RouterKernel::Simt));
     let layer = CudaLayer::new(&s, &w).unwrap();
-    assert_eq!(layer.router_tiled_from(), 128);
+    assert_eq!(layer.router_tiled_from(), ROUTER_BF16_FROM);
     let st = layer.stream().clone();
     let run = |layer: &CudaLayer, ws: &mut CudaWorkspace, x: &[f32]| {
         st.memcpy_htod(x, &mut ws.x).unwrap();
@@ -1423,7 +1423,7 @@ fn router_logits_bf16_match_the_cpu() {
             same_bits(&got, &logits(&mut ws, &x)),
             "T{tokens}: not reproducible"
         );
-        if tokens < 128 {
+        if tokens < ROUTER_BF16_FROM {
             let warp = run(&simt, &mut simt.workspace(tokens).unwrap(), &x);
             assert!(
                 same_bits(&got, &warp),

@@ -250,7 +250,7 @@ pub const PREFILL_DENSE_NONGATED_FROM_QUARTERS: usize = 15;
 /// Mean tokens per expert (`pairs / experts`, rounded down) from which a gated layer's prefill
 /// path uses the 128-token tiles instead of the 32-token ones. docs/KERNEL_NOTES.md run 159
 /// (H200, Qwen3-30B-A3B, the layer, µs, dual 128-token against 32-token tiles, two rounds): 32
-/// per expert (512 tokens) 263.5 / 238.0, 36 (576) 266.7 / 272.9, 40 266.7 / 293.4, 48 (768)
+/// per expert (512 tokens) 263.5 / 238.0, 36 (576) 266.7 / 272.9, 40 (640) 268.9 / 293.4, 48 (768)
 /// 278.2 / 318.0. Was 32 for both kinds from run 15 (on kernels long replaced) to session 35.
 pub const PREFILL_LARGE_TILE_FROM_GATED: usize = 33;
 

@@ -819,8 +819,8 @@ impl CudaLayer {
 
     /// Forces how later forwards compute router logits from [`CudaLayer::router_tiled_from`]
     /// tokens (`None`: `FP4MOE_ROUTER`, else [`RouterKernel::Bf16`] for a router of bf16
-    /// values, [`RouterKernel::Wide`] otherwise). The threshold follows the kernel: 128 tokens
-    /// for the bf16 one, 1024 for the others.
+    /// values, [`RouterKernel::Wide`] otherwise). The threshold follows the kernel:
+    /// [`ROUTER_BF16_FROM`] tokens for the bf16 one, [`ROUTER_TILED_FROM`] for the others.
     pub fn set_router_kernel(&mut self, kernel: Option<RouterKernel>) {
         self.router_kernel = kernel;
     }
@@ -897,7 +897,7 @@ impl CudaLayer {
     }
 
     /// Device bytes a workspace for `tokens` tokens takes (it counts the router's partial sums
-    /// from the bf16 router kernel's 128 tokens, as `workspace` allocates for a layer with a
+    /// from the bf16 router kernel's [`ROUTER_BF16_FROM`] tokens, as `workspace` allocates for a layer with a
     /// router weight: an upper bound for one without).
     pub fn workspace_bytes(spec: &MoeSpec, tokens: usize) -> usize {
         let (h, i, e, k) = (
@@ -1260,7 +1260,10 @@ mod tests {
 
     #[test]
     fn routing_kernels_wait_first() {
-        // CudaLayer::launch makes these dependent launches: nothing may run before the wait.
+        // CudaLayer::launch makes these dependent launches: nothing may run before the wait,
+        // except in prepare_input, whose inputs and outputs are settled before it can launch
+        // (prepare_input.cu says why): it waits at exit in block 0, so its grid still
+        // completes after its predecessor's.
         for file in [
             "routing.cu",
             "sort_pairs.cu",
@@ -1271,11 +1274,27 @@ mod tests {
             let mut n = 0;
             for (at, _) in src.match_indices("extern \"C\" __global__") {
                 let body = &src[at..];
+                let name = body[..body.find('(').expect("kernel name")]
+                    .split_whitespace()
+                    .last()
+                    .expect("kernel name");
                 let open = body.find(") {").expect("kernel body") + 3;
-                assert!(
-                    body[open..].trim_start().starts_with("pdl_enter();"),
-                    "{file}: a kernel does not start with pdl_enter()"
-                );
+                let end = body.find("\n}").expect("kernel end");
+                let code = body[open..end].trim_start();
+                if name == "prepare_input" {
+                    assert!(
+                        code.starts_with("pdl_launch_dependents();")
+                            && code
+                                .trim_end()
+                                .ends_with("if (blockIdx.x == 0 && threadIdx.x == 0) pdl_wait();"),
+                        "{file}: prepare_input must wait at its end"
+                    );
+                } else {
+                    assert!(
+                        code.starts_with("pdl_enter();"),
+                        "{file}: {name} does not start with pdl_enter()"
+                    );
+                }
                 n += 1;
             }
             assert_eq!(n, compile::kernel_names(file).len(), "{file}");

@@ -127,11 +127,13 @@ pub(super) const ROUTER_TF32_THREADS: u32 = 128;
 /// instead of a warp (or eight) per logit.
 pub const ROUTER_TILED_FROM: usize = 1024;
 
-/// Token count from which [`RouterKernel::Bf16`] computes the router logits. Run 69 (routing
-/// stage against a warp per logit, µs, Nemotron): 16 tokens 28.7 vs 20.5, 64 31.3 vs 24.2,
-/// 128 31.3 vs 32.3, 256 34.0 vs 51.2, 512 37.3 vs 91.3 (Qwen3 alike): its 64-token tiles
-/// leave most SMs idle below 128 tokens.
-pub const ROUTER_BF16_FROM: usize = 128;
+/// Token count from which [`RouterKernel::Bf16`] computes the router logits. Run 162 (H200,
+/// the layer, µs, two rounds, against `router_logits_multi` below it, session 36): Nemotron
+/// 128 tokens 260.3 vs 257.2, 192 283.7 vs 286.8, 256 303.1 vs 313.0; Qwen3 128 158.0 vs
+/// 155.4, 192 167.9 vs 169.5 → from 160. Run 69 (against a warp per logit): 16 tokens 28.7
+/// vs 20.5, 64 31.3 vs 24.2, 128 31.3 vs 32.3, 256 34.0 vs 51.2 (routing stage): its 64-token
+/// tiles leave most SMs idle below ~128 tokens. Was 128 until session 36.
+pub const ROUTER_BF16_FROM: usize = 160;
 
 /// Token count from which `kernel` computes router logits: [`ROUTER_BF16_FROM`] or
 /// [`ROUTER_TILED_FROM`], or for either `FP4MOE_ROUTER_TILED_FROM` (a benchmark knob, read
@@ -407,9 +409,13 @@ mod tests {
         // split path's untiled router logits (bitwise equality).
         assert_eq!(on_h200(683, 6, Some(Fused)), Split);
         assert_eq!(on_h200(1024, 4, Some(Fused)), Split);
-        // A bf16 router's tiled kernel from 128 tokens.
-        assert_eq!(on_h200_from(127, 4, ROUTER_BF16_FROM, Some(Fused)), Fused);
-        assert_eq!(on_h200_from(128, 4, ROUTER_BF16_FROM, Some(Fused)), Split);
+        // A bf16 router's tiled kernel from ROUTER_BF16_FROM tokens.
+        let bf16_from = ROUTER_BF16_FROM;
+        assert_eq!(
+            on_h200_from(bf16_from - 1, 4, bf16_from, Some(Fused)),
+            Fused
+        );
+        assert_eq!(on_h200_from(bf16_from, 4, bf16_from, Some(Fused)), Split);
         let tiny = route_small_smem(1, 128, true) - 1;
         let f32_tiles = ROUTER_TILED_FROM;
         assert_eq!(RoutePath::choose(1, 6, 128, tiny, f32_tiles, None), Split);
