@@ -437,8 +437,13 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
 // into the logit (a tensor core may truncate its f32 accumulation; per chunk that stays ~3e-7,
 // see router_logits_tf32x3). Deterministic: k in order, the k split of router_wide_splits' rule
 // (with 32-k chunks) summed in slice order by router_sum_splits.
-// Tile: 64 tokens x 128 experts per 256-thread block; warp w computes tokens 16·(w % 4).. and
-// experts 64·(w / 4).. (one m16 x eight n8 MMA tiles). 32-k chunks of x (f32, row stride
+// Tiles: 64 tokens x 128 experts per 256-thread block (router_logits_bf16; warp w computes
+// tokens 16·(w % 4).. and experts 64·(w / 4)..: one m16 x eight n8 MMA tiles), or 16 tokens x 128
+// experts per RB16_WARPS-warp block (router_logits_bf16_t16; warp w computes the tile's 16 tokens
+// and experts (128 / RB16_WARPS)·w..): more, shorter blocks where a batch has few 64-token tiles
+// (a block's k loop is a latency chain). Each logit sees the same MMAs in the same order in both
+// (the same 16-token warp groups, so the same exactness test; the same chunks and k split), so
+// both give the same bits. 32-k chunks of x (f32, row stride
 // RB_XLD floats: the lanes' 8-byte fragment reads are conflict-free per half warp) and of the
 // bf16 router (row stride RB_WLD: conflict-free ldmatrix) go through an RB_STAGES-deep cp.async
 // ring. wb is the router padded with zeros to a multiple of RB_EXP rows and RB_K columns
@@ -452,7 +457,6 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
 #define RB_WLD 40
 #define RB_STAGES 4
 #define RB_THREADS 256
-#define RB_STAGE_BYTES (RB_TOK * RB_XLD * 4 + RB_EXP * RB_WLD * 2)
 __device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem) {
     const u32 s = (u32)__cvta_generic_to_shared(smem);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -475,43 +479,51 @@ __device__ __forceinline__ void bf16x2_mid_lo(float2 v, u32 hi, u32& mid, u32& l
     const float2 m = __bfloat1622float2(bits_bf16x2(mid));
     lo = bf16x2_bits(__floats2bfloat162_rn(r0 - m.x, r1 - m.y));
 }
-extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(const float* __restrict__ x,
-                                                                               const u16* __restrict__ wb,
-                                                                               float* __restrict__ out, int tokens,
-                                                                               int hidden, int hidden_pad,
-                                                                               int experts, int k_split) {
-    pdl_enter();
+#ifndef RB16_WARPS
+#define RB16_WARPS 4
+#endif
+static_assert(RB16_WARPS == 2 || RB16_WARPS == 4 || RB16_WARPS == 8, "two n8 tiles per ldmatrix.x4");
+template <int TOK, int WARPS>
+__device__ __forceinline__ void router_bf16_tile(const float* __restrict__ x, const u16* __restrict__ wb,
+                                                 float* __restrict__ out, int tokens, int hidden, int hidden_pad,
+                                                 int experts, int k_split) {
+    constexpr int THREADS = WARPS * 32;
+    constexpr int TG = TOK / 16;         // 16-token warp groups
+    constexpr int EPW = RB_EXP * TG / WARPS;  // experts per warp
+    constexpr int NT = EPW / 8;          // n8 MMA tiles per warp
+    constexpr int STAGE_BYTES = TOK * RB_XLD * 4 + RB_EXP * RB_WLD * 2;
+    static_assert(TOK % 16 == 0 && WARPS % TG == 0 && NT % 2 == 0, "whole ldmatrix.x4 pairs per warp");
     extern __shared__ __align__(16) unsigned char rb_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const int t0 = blockIdx.x * RB_TOK, e0 = blockIdx.y * RB_EXP;
+    const int t0 = blockIdx.x * TOK, e0 = blockIdx.y * RB_EXP;
     const int kb = blockIdx.z * k_split, ke = min(hidden, kb + k_split);
-    auto xs = [&](int b) { return reinterpret_cast<float*>(rb_smem + b * RB_STAGE_BYTES); };
-    auto wsm = [&](int b) { return reinterpret_cast<u16*>(rb_smem + b * RB_STAGE_BYTES + RB_TOK * RB_XLD * 4); };
-    // Chunk k0 into stage b: 64 x rows of 8 16-byte pieces (zero past T and past the slice's k:
+    auto xs = [&](int b) { return reinterpret_cast<float*>(rb_smem + b * STAGE_BYTES); };
+    auto wsm = [&](int b) { return reinterpret_cast<u16*>(rb_smem + b * STAGE_BYTES + TOK * RB_XLD * 4); };
+    // Chunk k0 into stage b: TOK x rows of 8 16-byte pieces (zero past T and past the slice's k:
     // hidden % 4 == 0 and ke % 4 == 0, so a piece is all in or all out), 128 router rows of 4
     // (always inside the padded router; columns past ke meet zero x).
     auto stage = [&](int b, int k0) {
         float* sx = xs(b);
         u16* sw = wsm(b);
 #pragma unroll
-        for (int i = tid; i < RB_TOK * 8; i += RB_THREADS) {
+        for (int i = tid; i < TOK * 8; i += THREADS) {
             const int row = i >> 3, c = (i & 7) * 4;
             const bool ok = t0 + row < tokens && k0 + c < ke;
             cp_async16(sx + row * RB_XLD + c, ok ? x + (size_t)(t0 + row) * hidden + k0 + c : x, ok ? 16 : 0);
         }
 #pragma unroll
-        for (int i = tid; i < RB_EXP * 4; i += RB_THREADS) {
+        for (int i = tid; i < RB_EXP * 4; i += THREADS) {
             const int row = i >> 2, c = (i & 3) * 8;
             cp_async16(sw + row * RB_WLD + c, wb + (size_t)(e0 + row) * hidden_pad + k0 + c, 16);
         }
     };
-    float acc[8][4];
+    float acc[NT][4];
 #pragma unroll
-    for (int n = 0; n < 8; n++)
+    for (int n = 0; n < NT; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
     const int chunks = ring_prologue<RB_STAGES, RB_K>(kb, ke, stage);
-    const int wr = 16 * (warp & 3), wc = 64 * (warp >> 2);
+    const int wr = 16 * (warp % TG), wc = EPW * (warp / TG);
     // ldmatrix.x4: lane l addresses row (l % 8) of matrix l / 8; matrices (n tile 2p, k 0-7),
     // (2p, k 8-15), (2p + 1, k 0-7), (2p + 1, k 8-15) are the b0, b1 of two n tiles.
     const int lrow = wc + (lane & 7) + 8 * (lane >> 4), lcol = 8 * ((lane >> 3) & 1);
@@ -521,9 +533,9 @@ extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(c
         ring_refill<RB_STAGES, RB_K>(c, chunks, kb, stage);
         const float* sx = xs(c % RB_STAGES);
         const u16* sw = wsm(c % RB_STAGES);
-        float part[8][4];
+        float part[NT][4];
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+        for (int n = 0; n < NT; n++)
 #pragma unroll
             for (int i = 0; i < 4; i++) part[n][i] = 0.0f;
 #pragma unroll
@@ -543,7 +555,7 @@ extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(c
                 for (int i = 0; i < 4; i++) bf16x2_mid_lo(v[i], ah[i], am[i], al[i]);
             }
 #pragma unroll
-            for (int p = 0; p < 4; p++) {
+            for (int p = 0; p < NT / 2; p++) {
                 u32 b[4];
                 ldmatrix_x4(b, sw + (lrow + 16 * p) * RB_WLD + kk + lcol);
 #pragma unroll
@@ -558,9 +570,26 @@ extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(c
             }
         }
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+        for (int n = 0; n < NT; n++)
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[n][i] += part[n][i];
     }
     store_logit_tiles(out + (size_t)blockIdx.z * tokens * experts, acc, t0 + wr, e0 + wc, tokens, experts);
+}
+extern "C" __global__ void __launch_bounds__(RB_THREADS, 2) router_logits_bf16(const float* __restrict__ x,
+                                                                               const u16* __restrict__ wb,
+                                                                               float* __restrict__ out, int tokens,
+                                                                               int hidden, int hidden_pad,
+                                                                               int experts, int k_split) {
+    pdl_enter();
+    router_bf16_tile<RB_TOK, RB_THREADS / 32>(x, wb, out, tokens, hidden, hidden_pad, experts, k_split);
+}
+#define RB16_TOK 16
+extern "C" __global__ void __launch_bounds__(RB16_WARPS * 32) router_logits_bf16_t16(const float* __restrict__ x,
+                                                                                     const u16* __restrict__ wb,
+                                                                                     float* __restrict__ out, int tokens,
+                                                                                     int hidden, int hidden_pad,
+                                                                                     int experts, int k_split) {
+    pdl_enter();
+    router_bf16_tile<RB16_TOK, RB16_WARPS>(x, wb, out, tokens, hidden, hidden_pad, experts, k_split);
 }

@@ -1397,6 +1397,10 @@ fn router_logits_bf16_match_the_cpu() {
     simt.set_router_kernel(Some(RouterKernel::Simt));
     let layer = CudaLayer::new(&s, &w).unwrap();
     assert_eq!(layer.router_tiled_from(), ROUTER_BF16_FROM);
+    let mut t16 = CudaLayer::new(&s, &w).unwrap();
+    t16.set_router_bf16_tile(Some(16));
+    let mut t64 = CudaLayer::new(&s, &w).unwrap();
+    t64.set_router_bf16_tile(Some(64));
     let st = layer.stream().clone();
     let run = |layer: &CudaLayer, ws: &mut CudaWorkspace, x: &[f32]| {
         st.memcpy_htod(x, &mut ws.x).unwrap();
@@ -1430,6 +1434,14 @@ fn router_logits_bf16_match_the_cpu() {
                 "T{tokens}: not the warp-per-logit kernel"
             );
             continue;
+        }
+        // The 16- and 64-token tiles give the same bits (whichever the rule picked here).
+        for (tile, forced) in [(16, &t16), (64, &t64)] {
+            let other = run(forced, &mut forced.workspace(tokens).unwrap(), &x);
+            assert!(
+                same_bits(&got, &other),
+                "T{tokens}: the {tile}-token tiles' logits differ from the default's"
+            );
         }
         // Token 17 alone made inexact moves its warp (tokens 16..31) to the three-MMA path;
         // the other 15 tokens' logits must keep their bits (the extra MMAs add zeros).

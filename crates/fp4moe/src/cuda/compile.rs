@@ -103,6 +103,7 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "router_logits_tf32x3",
             "router_logits_wide",
             "router_logits_bf16",
+            "router_logits_bf16_t16",
             "router_sum_splits",
             "route_topk",
         ],

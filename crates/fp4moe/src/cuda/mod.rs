@@ -582,6 +582,8 @@ pub struct CudaLayer {
     prefill_feed: Option<PrefillFeed>,
     prefill_tile: Option<PrefillTile>,
     router_kernel: Option<RouterKernel>,
+    /// Forced token tile of the bf16 router (16 or 64; [`CudaLayer::set_router_bf16_tile`]).
+    router_bf16_tile: Option<usize>,
     stream_units: Option<usize>,
     /// Forced on or off: the one-token layer in one launch ([`CudaLayer::set_one_token`]).
     one_token: Option<bool>,
@@ -709,6 +711,7 @@ impl CudaLayer {
             prefill_feed: None,
             prefill_tile: None,
             router_kernel: None,
+            router_bf16_tile: None,
             stream_units: None,
             one_token: None,
             one_token_shapes: Mutex::new(Vec::new()),
@@ -823,6 +826,19 @@ impl CudaLayer {
     /// [`ROUTER_BF16_FROM`] tokens for the bf16 one, [`ROUTER_TILED_FROM`] for the others.
     pub fn set_router_kernel(&mut self, kernel: Option<RouterKernel>) {
         self.router_kernel = kernel;
+    }
+
+    /// Forces the bf16 router's token tile (16 or 64 tokens; `None`: `FP4MOE_ROUTER_BF16_TILE`,
+    /// else [`router_bf16_tile`]'s rule). Both tiles give the same bits.
+    pub fn set_router_bf16_tile(&mut self, tile: Option<usize>) {
+        self.router_bf16_tile = tile;
+    }
+
+    /// The bf16 router's token tile for `tokens` tokens.
+    fn router_bf16_tile(&self, tokens: usize) -> usize {
+        static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        let env = || tuning_knob(&KNOB, "FP4MOE_ROUTER_BF16_TILE").and_then(|v| v.parse().ok());
+        router_bf16_tile(tokens, self.router_bf16_tile.or_else(env))
     }
 
     /// Forces the row-group units per block of the streaming decode kernels (1, 2 or 4; `None`:

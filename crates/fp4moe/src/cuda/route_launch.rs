@@ -130,22 +130,31 @@ impl CudaLayer {
         } else {
             logits
         };
-        let (name, threads, shared) = if bf16 {
-            (
+        let tile = if bf16 {
+            self.router_bf16_tile(tokens)
+        } else {
+            ROUTER_WIDE_TILE.0
+        };
+        let (name, threads, shared) = match (bf16, tile) {
+            (true, 16) => (
+                "router_logits_bf16_t16",
+                32 * ROUTER_BF16_T16.1,
+                router_bf16_shared(ROUTER_BF16_T16.0),
+            ),
+            (true, _) => (
                 "router_logits_bf16",
                 ROUTER_BF16_THREADS,
                 ROUTER_BF16_SHARED,
-            )
-        } else {
-            (
+            ),
+            (false, _) => (
                 "router_logits_wide",
                 ROUTER_WIDE_THREADS,
                 ROUTER_WIDE_SHARED,
-            )
+            ),
         };
         let cfg = LaunchConfig {
             grid_dim: (
-                tokens.div_ceil(ROUTER_WIDE_TILE.0) as u32,
+                tokens.div_ceil(tile) as u32,
                 experts.div_ceil(ROUTER_WIDE_TILE.1) as u32,
                 splits as u32,
             ),

@@ -127,13 +127,14 @@ pub(super) const ROUTER_TF32_THREADS: u32 = 128;
 /// instead of a warp (or eight) per logit.
 pub const ROUTER_TILED_FROM: usize = 1024;
 
-/// Token count from which [`RouterKernel::Bf16`] computes the router logits. Run 162 (H200,
-/// the layer, µs, two rounds, against `router_logits_multi` below it, session 36): Nemotron
-/// 128 tokens 260.3 vs 257.2, 192 283.7 vs 286.8, 256 303.1 vs 313.0; Qwen3 128 158.0 vs
-/// 155.4, 192 167.9 vs 169.5 → from 160. Run 69 (against a warp per logit): 16 tokens 28.7
-/// vs 20.5, 64 31.3 vs 24.2, 128 31.3 vs 32.3, 256 34.0 vs 51.2 (routing stage): its 64-token
-/// tiles leave most SMs idle below ~128 tokens. Was 128 until session 36.
-pub const ROUTER_BF16_FROM: usize = 160;
+/// Token count from which [`RouterKernel::Bf16`] computes the router logits. Run 165 (H200,
+/// the layer, µs, two rounds, its 16-token tiles against `router_logits_multi` below them,
+/// session 37): Nemotron 96 tokens 249.2 / 249.7 vs 248.0 / 247.6, 128 259.9 / 261.2 vs
+/// 261.4 / 264.4; Qwen3 96 144.6 / 144.7 vs 143.1 / 142.8, 128 155.1 / 154.8 vs 157.2 / 156.9
+/// → from 112 (between the measured points). Run 162 (its 64-token tiles, session 36): 128
+/// tokens behind (Nemotron 260.3 vs 257.2), so 160 until session 37; run 69 (against a warp
+/// per logit): its 64-token tiles leave most SMs idle below ~128 tokens.
+pub const ROUTER_BF16_FROM: usize = 112;
 
 /// Token count from which `kernel` computes router logits: [`ROUTER_BF16_FROM`] or
 /// [`ROUTER_TILED_FROM`], or for either `FP4MOE_ROUTER_TILED_FROM` (a benchmark knob, read
@@ -224,9 +225,36 @@ pub(super) const ROUTER_BF16_THREADS: u32 = 256;
 pub(super) const ROUTER_BF16_STAGES: usize = 4;
 pub(super) const ROUTER_BF16_XLD: usize = 40;
 pub(super) const ROUTER_BF16_WLD: usize = 40;
-pub(super) const ROUTER_BF16_SHARED: u32 = (ROUTER_BF16_STAGES
-    * (ROUTER_WIDE_TILE.0 * ROUTER_BF16_XLD * 4 + ROUTER_WIDE_TILE.1 * ROUTER_BF16_WLD * 2))
-    as u32;
+pub(super) const ROUTER_BF16_SHARED: u32 = router_bf16_shared(ROUTER_WIDE_TILE.0);
+
+/// `router_logits_bf16_t16`'s token tile and warps (`RB16_TOK`, `RB16_WARPS` in routing.cu):
+/// 16 tokens x 128 experts, the 64-token tile's bits (the same MMAs per logit in the same
+/// order) from four times as many blocks.
+pub(super) const ROUTER_BF16_T16: (usize, u32) = (16, 4);
+
+/// Dynamic shared memory of the bf16 router's ring for a `tok`-token tile.
+pub(super) const fn router_bf16_shared(tok: usize) -> u32 {
+    (ROUTER_BF16_STAGES * (tok * ROUTER_BF16_XLD * 4 + ROUTER_WIDE_TILE.1 * ROUTER_BF16_WLD * 2))
+        as u32
+}
+
+/// Token count below which the bf16 router runs 16-token tiles rather than 64-token ones
+/// (`FP4MOE_ROUTER_BF16_TILE=16|64` forces either, a benchmark knob). Run 165 (H200, the
+/// layer, µs, two rounds, 16 vs 64): Nemotron 160 tokens 272.4 / 275.1 vs 277.5 / 277.8, 256
+/// 312.3 / 310.4 vs 312.8 / 313.6, 512 412.1 / 412.8 vs 415.5 / 417.5, 1024 level, 1536
+/// 682.0 / 680.2 vs 670.2 / 675.2; Qwen3 160 162.0 / 161.3 vs 165.7 / 165.3, 256 172.1 /
+/// 172.4 vs 174.6 / 174.6, 512 and 1024 level, 1536 398.1 / 394.2 vs 387.4 / 391.9.
+pub const ROUTER_BF16_T16_BELOW: usize = 1024;
+
+/// The bf16 router's token tile for `tokens` tokens: `forced` (16 or 64) when given, else 16
+/// below [`ROUTER_BF16_T16_BELOW`] tokens.
+pub fn router_bf16_tile(tokens: usize, forced: Option<usize>) -> usize {
+    match forced {
+        Some(t @ (16 | 64)) => t,
+        _ if tokens < ROUTER_BF16_T16_BELOW => ROUTER_BF16_T16.0,
+        _ => ROUTER_WIDE_TILE.0,
+    }
+}
 
 /// The router `[E, H]` as bf16 for `router_logits_bf16`, zero-padded to
 /// `[E.div_ceil(128)·128, H.div_ceil(32)·32]`, where every weight is a finite bf16 value (a
@@ -297,6 +325,20 @@ impl RouterKernel {
 mod tests {
     use super::*;
     use crate::cuda::compile;
+
+    #[test]
+    fn router_bf16_tile_by_batch_or_forced() {
+        assert_eq!(router_bf16_tile(ROUTER_BF16_FROM, None), 16);
+        assert_eq!(router_bf16_tile(ROUTER_BF16_T16_BELOW - 1, None), 16);
+        assert_eq!(router_bf16_tile(ROUTER_BF16_T16_BELOW, None), 64);
+        assert_eq!(router_bf16_tile(16384, Some(16)), 16);
+        assert_eq!(router_bf16_tile(160, Some(64)), 64);
+        // Anything else forced is ignored (the knob's value is not checked elsewhere).
+        assert_eq!(router_bf16_tile(160, Some(32)), 16);
+        // The 16-token ring is the smaller; both fit sm_86/89's 99 KB.
+        assert!(router_bf16_shared(ROUTER_BF16_T16.0) < router_bf16_shared(ROUTER_WIDE_TILE.0));
+        assert!(ROUTER_BF16_SHARED as usize <= 99 * 1024);
+    }
 
     #[test]
     fn router_wide_splits_cover_k_once_and_fill_one_wave() {
@@ -370,6 +412,10 @@ mod tests {
         assert_eq!((wide("RB_TOK"), wide("RB_EXP")), ROUTER_WIDE_TILE);
         assert_eq!(wide("RB_K"), ROUTER_BF16_K);
         assert_eq!(wide("RB_THREADS"), ROUTER_BF16_THREADS as usize);
+        assert_eq!(
+            (wide("RB16_TOK"), wide("RB16_WARPS")),
+            (ROUTER_BF16_T16.0, ROUTER_BF16_T16.1 as usize)
+        );
         assert_eq!(wide("RB_STAGES"), ROUTER_BF16_STAGES);
         assert_eq!(
             (wide("RB_XLD"), wide("RB_WLD")),
