@@ -77,6 +77,11 @@ pub(crate) struct Args {
     /// replay of the layer cut after it (graphs of each prefix).
     #[arg(long)]
     pub stages: bool,
+    /// Input sets rotated between runs, each on its own workspace. 1 times the layer as a
+    /// model runs it: every replay on one workspace and input, left in L2 by the previous
+    /// replay as by the previous layer (the weights still alternate between two copies).
+    #[arg(long, default_value_t = 4)]
+    pub inputs: usize,
     /// Also draw time/floor against tokens as SVG: this run plus any --compare documents.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -88,6 +93,9 @@ pub(crate) struct Args {
 pub(crate) fn run(a: Args) -> Result<()> {
     if a.tokens.is_empty() || a.tokens.contains(&0) {
         bail!("--tokens must list batch sizes of at least 1");
+    }
+    if a.inputs == 0 {
+        bail!("--inputs must be at least 1");
     }
     if !(a.warmup_ms.is_finite() && a.warmup_ms >= 0.0) {
         bail!(
@@ -168,7 +176,16 @@ pub(crate) fn run(a: Args) -> Result<()> {
         if host {
             String::new()
         } else {
-            format!(", timed after {} ms of warm-up", a.warmup_ms)
+            format!(
+                ", timed after {} ms of warm-up, {} input set{}",
+                a.warmup_ms,
+                a.inputs,
+                if a.inputs == 1 {
+                    " (one workspace)"
+                } else {
+                    "s"
+                }
+            )
         }
     );
     println!(
@@ -186,7 +203,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     // Two weight copies, built at the first size and timed at every size.
     let mut cuda_layers = None;
     for &t in &a.tokens {
-        let inputs: Vec<Vec<f32>> = (0..4)
+        let inputs: Vec<Vec<f32>> = (0..a.inputs as u64)
             .map(|r| random_tokens(t, sh, a.seed + 100 * t as u64 + r))
             .collect();
         let touched = experts_touched(&spec, &w, &inputs);
@@ -258,7 +275,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let doc = serde_json::json!({
         "preset": p.name(), "mode": spec.quant.to_string(), "backend": backend.name(), "device": device,
         "copy_bandwidth_gbs": bandwidth / 1e9, "bf16_tflops": tflops_floor, "experts": e, "top_k": k,
-        "warmup_ms": (backend == Backend::Cuda).then_some(a.warmup_ms), "results": rows,
+        "warmup_ms": (backend == Backend::Cuda).then_some(a.warmup_ms), "inputs": a.inputs, "results": rows,
     });
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&doc)?;

@@ -386,6 +386,16 @@ fn bench_rejects_bad_arguments() {
         let o = fp4moe(&["bench", "--tokens", "1", "--backend", "cpu", bad]);
         expect_error(&o, &["--warmup-ms"]);
     }
+    let o = fp4moe(&[
+        "bench",
+        "--tokens",
+        "1",
+        "--backend",
+        "cpu",
+        "--inputs",
+        "0",
+    ]);
+    expect_error(&o, &["--inputs"]);
 }
 
 /// `bench` on the CPU backend: the memory floor from this host's copy bandwidth, no compute
@@ -406,6 +416,8 @@ fn bench_on_the_cpu_reports_the_host_memory_floor() {
         "1,2",
         "--iterations",
         "1",
+        "--inputs",
+        "1",
         "--json",
         s(&json),
         "--plot",
@@ -416,6 +428,7 @@ fn bench_on_the_cpu_reports_the_host_memory_floor() {
     assert!(doc["bf16_tflops"].is_null(), "{doc}");
     // The GPU warm-up does not apply to host backends.
     assert!(doc["warmup_ms"].is_null(), "{doc}");
+    assert_eq!(doc["inputs"], 1, "{doc}");
     assert!(doc["copy_bandwidth_gbs"].as_f64().unwrap() > 0.0, "{doc}");
     let rows = doc["results"].as_array().unwrap();
     assert_eq!(rows.len(), 2);

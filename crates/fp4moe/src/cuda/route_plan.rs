@@ -127,14 +127,16 @@ pub(super) const ROUTER_TF32_THREADS: u32 = 128;
 /// instead of a warp (or eight) per logit.
 pub const ROUTER_TILED_FROM: usize = 1024;
 
-/// Token count from which [`RouterKernel::Bf16`] computes the router logits. Run 165 (H200,
-/// the layer, µs, two rounds, its 16-token tiles against `router_logits_multi` below them,
-/// session 37): Nemotron 96 tokens 249.2 / 249.7 vs 248.0 / 247.6, 128 259.9 / 261.2 vs
-/// 261.4 / 264.4; Qwen3 96 144.6 / 144.7 vs 143.1 / 142.8, 128 155.1 / 154.8 vs 157.2 / 156.9
-/// → from 112 (between the measured points). Run 162 (its 64-token tiles, session 36): 128
-/// tokens behind (Nemotron 260.3 vs 257.2), so 160 until session 37; run 69 (against a warp
-/// per logit): its 64-token tiles leave most SMs idle below ~128 tokens.
-pub const ROUTER_BF16_FROM: usize = 112;
+/// Token count from which [`RouterKernel::Bf16`] computes the router logits: the 16-token
+/// tiles against `router_logits_multi` below them (H200, the layer, µs, two rounds each, session
+/// 37). Run 165: Nemotron 96 tokens 249.2 / 249.7 vs 248.0 / 247.6, 128 259.9 / 261.2 vs 261.4
+/// / 264.4; Qwen3 96 144.6 / 144.7 vs 143.1 / 142.8, 128 155.1 / 154.8 vs 157.2 / 156.9. Run
+/// 166: Nemotron 112 268.9 / 268.5 vs 266.2 / 264.9, 128 258.4 / 258.0 vs 258.3 / 258.2; Qwen3
+/// 112 155.7 / 155.8 vs 155.2 / 154.7, 128 157.0 / 157.0 vs 158.0 / 157.8 → from 128 (level
+/// or ahead there; behind at 112). Run 162 (the 64-token tiles, session 36): 128 tokens behind
+/// (Nemotron 260.3 vs 257.2), so 160 until session 37; run 69 (against a warp per logit): the
+/// 64-token tiles leave most SMs idle below ~128 tokens.
+pub const ROUTER_BF16_FROM: usize = 128;
 
 /// Token count from which `kernel` computes router logits: [`ROUTER_BF16_FROM`] or
 /// [`ROUTER_TILED_FROM`], or for either `FP4MOE_ROUTER_TILED_FROM` (a benchmark knob, read
