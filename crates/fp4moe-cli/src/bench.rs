@@ -74,7 +74,8 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 300.0)]
     pub warmup_ms: f64,
     /// CUDA: also time each stage (routing, GEMM1, GEMM2, combine): what it adds to a
-    /// replay of the layer cut after it (graphs of each prefix).
+    /// replay of the layer cut after it (graphs of each prefix, timed after every size's
+    /// whole layer).
     #[arg(long)]
     pub stages: bool,
     /// Input sets rotated between runs, each on its own workspace. 1 times the layer as a
@@ -199,15 +200,20 @@ pub(crate) fn run(a: Args) -> Result<()> {
         "time/floor",
         "TFLOP/s"
     );
-    let mut rows = Vec::new();
+    let mut rows: Vec<serde_json::Value> = Vec::new();
+    // The input sets of a batch size (the same ones whenever asked).
+    let make_inputs = |t: usize| -> Vec<Vec<f32>> {
+        (0..a.inputs as u64)
+            .map(|r| random_tokens(t, sh, a.seed + 100 * t as u64 + r))
+            .collect()
+    };
+    // Sizes whose stages are timed after the loop: (row, tokens, plan, whole-layer median).
+    let mut staged = Vec::new();
     // Two weight copies, built at the first size and timed at every size.
     let mut cuda_layers = None;
     for &t in &a.tokens {
-        let inputs: Vec<Vec<f32>> = (0..a.inputs as u64)
-            .map(|r| random_tokens(t, sh, a.seed + 100 * t as u64 + r))
-            .collect();
+        let inputs = make_inputs(t);
         let touched = experts_touched(&spec, &w, &inputs);
-        let mut stages = None;
         let (median, min) = match backend {
             Backend::Cuda => {
                 let iters = a
@@ -221,16 +227,15 @@ pub(crate) fn run(a: Args) -> Result<()> {
                             fp4moe::cuda::bench::BenchLayers::new(&spec, &w, 2)
                         })?),
                 };
-                let tm = step(&format!("timing {t} tokens"), || {
-                    let plan = fp4moe::cuda::bench::TimingPlan {
-                        iterations: iters,
-                        warmup_ms: a.warmup_ms,
-                        stages: a.stages,
-                    };
-                    layers.time(&inputs, plan)
-                })
-                .with_context(|| format!("{t} tokens"))?;
-                stages = tm.stages_us;
+                let plan = fp4moe::cuda::bench::TimingPlan {
+                    iterations: iters,
+                    warmup_ms: a.warmup_ms,
+                };
+                let tm = step(&format!("timing {t} tokens"), || layers.time(&inputs, plan))
+                    .with_context(|| format!("{t} tokens"))?;
+                if a.stages {
+                    staged.push((rows.len(), t, plan, tm.median_us));
+                }
                 (tm.median_us, tm.min_us)
             }
             other => {
@@ -251,26 +256,37 @@ pub(crate) fn run(a: Args) -> Result<()> {
             median / floor,
             prec = if host { 3 } else { 1 }
         );
-        let mut row = serde_json::json!({
+        let row = serde_json::json!({
             "tokens": t, "median_us": median, "min_us": min, "experts_touched": touched,
             "memory_floor_us": mem_floor, "compute_floor_us": comp_floor, "time_over_floor": median / floor,
             "useful_tflops": tflops,
         });
-        if let Some(st) = stages {
+        rows.push(row);
+    }
+    // Stage times after every size's whole layer (`BenchLayers::stages` says why).
+    if let (Some(layers), false) = (&mut cuda_layers, staged.is_empty()) {
+        println!(
+            "stages µs (graph prefixes: what each adds to a replay of the layer cut after it)"
+        );
+        for (i, t, plan, whole) in staged {
+            let inputs = make_inputs(t);
+            let st = step(&format!("timing the stages at {t} tokens"), || {
+                layers.stages(&inputs, plan, whole)
+            })
+            .with_context(|| format!("{t} tokens, stages"))?;
             let named: Vec<String> = fp4moe::cuda::STAGES
                 .iter()
                 .zip(&st)
                 .map(|(n, v)| format!("{n} {v:.1}"))
                 .collect();
-            println!("{:>6} stages µs (graph prefixes): {}", "", named.join(", "));
+            println!("{t:>6} {}", named.join(", "));
             let map: serde_json::Map<String, serde_json::Value> = fp4moe::cuda::STAGES
                 .iter()
                 .zip(&st)
                 .map(|(n, v)| (n.to_string(), serde_json::json!(v)))
                 .collect();
-            row["stages_us"] = serde_json::Value::Object(map);
+            rows[i]["stages_us"] = serde_json::Value::Object(map);
         }
-        rows.push(row);
     }
     let doc = serde_json::json!({
         "preset": p.name(), "mode": spec.quant.to_string(), "backend": backend.name(), "device": device,

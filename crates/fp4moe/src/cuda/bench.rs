@@ -52,8 +52,6 @@ pub struct Timing {
     pub min_us: f64,
     pub max_us: f64,
     pub iterations: usize,
-    /// Median µs each of [`super::STAGES`] adds to a replay, when asked for.
-    pub stages_us: Option<Vec<f64>>,
 }
 
 /// How [`BenchLayers::time`] replays a layer.
@@ -65,9 +63,6 @@ pub struct TimingPlan {
     /// least this many ms of GPU time have passed (0: the three rounds only), so the timed
     /// replays run at the clock a sustained load settles to.
     pub warmup_ms: f64,
-    /// Also time graphs of the layer cut after 1, 2 and 3 of [`super::STAGES`]; a stage's time
-    /// is the difference of successive medians (what the stage adds to a replay).
-    pub stages: bool,
 }
 
 /// Several uploaded copies of one layer's weights, built once and timed at any number of batch
@@ -87,10 +82,10 @@ impl BenchLayers {
         Ok(Self { layers })
     }
 
-    /// Times `tokens`-token forwards: `inputs` token sets (each `[tokens, H]`), one CUDA graph
-    /// per (weight copy, input), replayed as `plan` says.
-    pub fn time(&mut self, inputs: &[Vec<f32>], plan: TimingPlan) -> Result<Timing> {
-        let layers = &mut self.layers;
+    /// One workspace per input set (each `[tokens, H]`), its input uploaded and one eager
+    /// forward run (module load, first touch) before any capture.
+    fn workspaces(&self, inputs: &[Vec<f32>]) -> Result<Vec<CudaWorkspace>> {
+        let layers = &self.layers;
         let st = layers[0].stream().clone();
         let hidden = layers[0].spec.shape.hidden;
         let tokens = inputs.first().map_or(0, |x| x.len() / hidden);
@@ -101,43 +96,61 @@ impl BenchLayers {
                 .map_err(driver_err("input upload"))?;
             wss.push(ws);
         }
-        // Warm-up eagerly (module load, first-touch) before any capture.
         for (i, ws) in wss.iter_mut().enumerate() {
             layers[i % layers.len()].forward_device(ws, None)?;
         }
         st.synchronize().map_err(driver_err("synchronize"))?;
+        Ok(wss)
+    }
+
+    /// Times `tokens`-token forwards of the whole layer: `inputs` token sets (each
+    /// `[tokens, H]`), one CUDA graph per (weight copy, input), replayed as `plan` says.
+    pub fn time(&mut self, inputs: &[Vec<f32>], plan: TimingPlan) -> Result<Timing> {
+        let mut wss = self.workspaces(inputs)?;
+        let layers = &self.layers;
         let times = replay_times(layers, &mut wss, &plan)?;
         if let Some(report) = layers[0].one_token_trace_report(&wss[0])? {
             eprintln!("{report}");
         }
-        let stages_us = if plan.stages {
-            let prefix = stage_prefixes(layers, &mut wss, &plan);
-            // Whole forwards again for the next size, whether or not the cut graphs ran.
-            for layer in layers.iter_mut() {
-                layer.set_stage_limit(None);
-            }
-            let mut prefix = prefix?;
-            prefix.push(times[times.len() / 2]);
-            Some(
-                prefix
-                    .iter()
-                    .scan(0.0, |before, &p| {
-                        let d = p - *before;
-                        *before = p;
-                        Some(d)
-                    })
-                    .collect(),
-            )
-        } else {
-            None
-        };
         Ok(Timing {
             median_us: times[times.len() / 2],
             min_us: times[0],
             max_us: times[times.len() - 1],
             iterations: plan.iterations,
-            stages_us,
         })
+    }
+
+    /// What each of [`super::STAGES`] adds to a replay of `tokens`-token forwards: the medians
+    /// of graphs cut after 1, 2 and 3 stages (as [`BenchLayers::time`] replays them), then
+    /// `whole_us`, the whole layer's median from [`BenchLayers::time`], as successive
+    /// differences.
+    ///
+    /// Time every batch size's whole layer before any cut graphs: once a process has replayed
+    /// cut graphs, later whole-layer graphs ran up to ~20 µs slower on the H200 (64 tokens,
+    /// KERNEL_NOTES run 168; the cut graphs did not), which made the last stage, the combine,
+    /// look that much longer.
+    pub fn stages(
+        &mut self,
+        inputs: &[Vec<f32>],
+        plan: TimingPlan,
+        whole_us: f64,
+    ) -> Result<Vec<f64>> {
+        let mut wss = self.workspaces(inputs)?;
+        let prefix = stage_prefixes(&mut self.layers, &mut wss, &plan);
+        // Whole forwards again, whether or not the cut graphs ran.
+        for layer in self.layers.iter_mut() {
+            layer.set_stage_limit(None);
+        }
+        let mut prefix = prefix?;
+        prefix.push(whole_us);
+        Ok(prefix
+            .iter()
+            .scan(0.0, |before, &p| {
+                let d = p - *before;
+                *before = p;
+                Some(d)
+            })
+            .collect())
     }
 }
 
