@@ -837,7 +837,7 @@ impl CudaLayer {
     /// The bf16 router's token tile for `tokens` tokens.
     fn router_bf16_tile(&self, tokens: usize) -> usize {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
-        let env = || tuning_knob(&KNOB, "FP4MOE_ROUTER_BF16_TILE").and_then(|v| v.parse().ok());
+        let env = || tuning_choice(&KNOB, "FP4MOE_ROUTER_BF16_TILE", &[("16", 16), ("64", 64)]);
         router_bf16_tile(tokens, self.router_bf16_tile.or_else(env))
     }
 
