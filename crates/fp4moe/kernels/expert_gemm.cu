@@ -21,19 +21,33 @@
 // groups, many K slices: many blocks; since run 131 only for one expert at 1-2 tokens) and
 // wide (one activation staging serves 64 or 128 weight rows; every other launch).
 
-// The B fragments of subtile s come from shared address `b_s` + s · sub_bytes (`b_s`: row g of
-// subtile 0 at the lane's k 2q of this 16-wide k block; b1 is 8 k further on). Subtile 0 always
+// The B fragments of two consecutive 16-wide k blocks (j, j + 1) of every subtile, one
+// ldmatrix.x4 each: b[s] = {b0, b1 of block j, b0, b1 of block j + 1} of subtile s, from shared
+// address `bl_s` (this lane's ldmatrix row: token l % 8, k 8·(l / 8) of block j) + s · sub_bytes.
+// Four 32-bit loads per subtile and block pair took four instructions where this takes one
+// (1.5 of the ~22 a fragment cost at one subtile). Rows are 16 bytes past a 128-byte multiple
+// apart (the staging's padding), so each 8-row matrix reads all 32 banks once. Subtile 0 always
 // holds a token (t0 < n_e), so only the later ones are guarded.
-template <int NSUB>
-__device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4], u32 b_s, int sub_bytes,
-                                             int nsub_valid) {
+// PAIR false: k block j only (ldmatrix.x2 into b[s][0..1]; the bf16-weight kernels, whose
+// weight registers leave no room for a second block's B fragments).
+template <int NSUB, bool PAIR = true>
+__device__ __forceinline__ void load_b_pair(u32 (&b)[NSUB][4], u32 bl_s, int sub_bytes, int nsub_valid) {
 #pragma unroll
     for (int s = 0; s < NSUB; s++) {
         if (s == 0 || s < nsub_valid) {
-            const u32 row = b_s + s * sub_bytes;
-            mma_bf16_16816(acc[s], a, lds_u32(row), lds_u32(row + 16));
+            if (PAIR) ldsm_x4(b[s], bl_s + s * sub_bytes);
+            else ldsm_x2(b[s], bl_s + s * sub_bytes);
         }
     }
+}
+
+// acc[s] += A · B(subtile s) for k block j2 (0 or 1) of the pair in `b`.
+template <int NSUB>
+__device__ __forceinline__ void mma_subtiles(float acc[NSUB][4], const u32 a[4], const u32 (&b)[NSUB][4], int j2,
+                                             int nsub_valid) {
+#pragma unroll
+    for (int s = 0; s < NSUB; s++)
+        if (s == 0 || s < nsub_valid) mma_bf16_16816(acc[s], a, b[s][2 * j2], b[s][2 * j2 + 1]);
 }
 
 // The A fragment of k block j of a 64-wide group: packed word w, the lane's eight scale codes s
@@ -53,14 +67,18 @@ __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 s
     const u32 dw[4] = {d.x, d.y, d.z, d.w};
     const u32 duw[4] = {du.x, du.y, du.z, du.w};
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const u32 kb_s = b_s + (kgi * 4 + j) * 32;  // k block kgi·4 + j: 16 bf16
-        u32 a[4];
-        decode_fragment(dw[j], s, j, a);
-        mma_subtiles<NSUB>(acc, a, kb_s, sub_bytes, nsub_valid);
-        if (GATED) {
-            decode_fragment(duw[j], su, j, a);
-            mma_subtiles<NSUB>(accu, a, kb_s, sub_bytes, nsub_valid);
+    for (int jp = 0; jp < 4; jp += 2) {
+        u32 b[NSUB][4];
+        load_b_pair<NSUB>(b, b_s + (kgi * 4 + jp) * 32, sub_bytes, nsub_valid);  // k blocks kgi·4 + jp, + 1
+#pragma unroll
+        for (int j2 = 0; j2 < 2; j2++) {
+            u32 a[4];
+            decode_fragment(dw[jp + j2], s, jp + j2, a);
+            mma_subtiles<NSUB>(acc, a, b, j2, nsub_valid);
+            if (GATED) {
+                decode_fragment(duw[jp + j2], su, jp + j2, a);
+                mma_subtiles<NSUB>(accu, a, b, j2, nsub_valid);
+            }
         }
     }
 }
@@ -87,7 +105,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     int e = via_l2 ? __ldcg(p.active + slot) : p.active[slot];
     int base = via_l2 ? __ldcg(p.offsets + e) : p.offsets[e];
     int n_e = (via_l2 ? __ldcg(p.offsets + e + 1) : p.offsets[e + 1]) - base;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
     int rgl = warp % RGPB, ks = warp / RGPB;
     int rg = blockIdx.x * RGPB + rgl;
     bool active_warp = rg < p.rg_out;
@@ -97,12 +115,12 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 
     const int kp = p.kg * 64;
     const int stride = kp + 8;
-    // The lane's B-fragment address (row g, k 2q) as a 32-bit shared address, made opaque so
-    // ptxas keeps it in a register: otherwise it rebuilt the shared window base from
-    // SR_CgaCtaId before every fragment load (8 times per loop iteration of the one-subtile
-    // kernels).
-    u32 brow_s = smem_u32(sact + g * stride + 2 * q);
-    asm volatile("" : "+r"(brow_s));
+    // The lane's ldmatrix row (load_b_pair: token lane % 8, k 8·(lane / 8)) as a 32-bit shared
+    // address, made opaque so ptxas keeps it in a register: otherwise it rebuilt the shared
+    // window base from SR_CgaCtaId before every fragment load (8 times per loop iteration of
+    // the one-subtile kernels).
+    u32 bl_s = smem_u32(sact + (lane & 7) * stride + (lane >> 3) * 8);
+    asm volatile("" : "+r"(bl_s));
     const int sub_bytes = 8 * stride * 2;
     const u32 sact_s = smem_u32(sact);
     const bool run = active_warp && k_lo < k_hi;
@@ -187,10 +205,10 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 asm volatile("" : "+l"(wdu), "+l"(wsu));
             }
             for (int kgi = lo; kgi < hi; kgi += 2) {
-                nvfp4_kgroup<NSUB, GATED>(d0, s0, du0, su0, kgi, A, AU, brow_s, sub_bytes, nsub_valid);
+                nvfp4_kgroup<NSUB, GATED>(d0, s0, du0, su0, kgi, A, AU, bl_s, sub_bytes, nsub_valid);
                 if (kgi + 2 < k_hi) load(2, d0, s0, du0, su0);
                 if (kgi + 1 < hi) {
-                    nvfp4_kgroup<NSUB, GATED>(d1, s1, du1, su1, kgi + 1, A, AU, brow_s, sub_bytes, nsub_valid);
+                    nvfp4_kgroup<NSUB, GATED>(d1, s1, du1, su1, kgi + 1, A, AU, bl_s, sub_bytes, nsub_valid);
                     if (kgi + 3 < k_hi) load(3, d1, s1, du1, su1);
                 }
                 wd += 64;
@@ -210,11 +228,13 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
             for (int kb = 4 * lo; kb < 4 * hi; kb++) {
                 uint4 d = ld_stream(bd + kb * 32);
                 const u32 a[4] = {d.x, d.y, d.z, d.w};
-                mma_subtiles<NSUB>(A, a, brow_s + kb * 32, sub_bytes, nsub_valid);
+                u32 b[NSUB][4];
+                load_b_pair<NSUB, false>(b, bl_s + kb * 32, sub_bytes, nsub_valid);
+                mma_subtiles<NSUB>(A, a, b, 0, nsub_valid);
                 if (GATED) {
                     uint4 du = ld_stream(bdu + kb * 32);
                     const u32 au[4] = {du.x, du.y, du.z, du.w};
-                    mma_subtiles<NSUB>(AU, au, brow_s + kb * 32, sub_bytes, nsub_valid);
+                    mma_subtiles<NSUB>(AU, au, b, 0, nsub_valid);
                 }
             }
         };

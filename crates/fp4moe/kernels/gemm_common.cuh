@@ -73,6 +73,20 @@ __device__ __forceinline__ u32 lds_u32(u32 s) {
     asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(s) : "memory");
     return v;
 }
+// Four 8x8 bf16 matrices from shared memory (ldmatrix .x4): lane l gives the address of row
+// l % 8 of matrix l / 8 (16 bytes, 16-byte aligned) and receives, of each matrix i, row l / 4,
+// elements 2(l % 4) and 2(l % 4) + 1 in r[i]: with rows = tokens and 8 consecutive k per row,
+// an mma B fragment register. Volatile with a "memory" clobber for the reason lds_u32 gives.
+__device__ __forceinline__ void ldsm_x4(u32 r[4], u32 s) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s)
+                 : "memory");
+}
+// The same for two matrices (lanes 0-15 give the addresses; r[0], r[1]).
+__device__ __forceinline__ void ldsm_x2(u32 r[2], u32 s) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(s) : "memory");
+}
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }

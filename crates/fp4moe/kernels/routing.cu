@@ -457,12 +457,6 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
 #define RB_WLD 40
 #define RB_STAGES 4
 #define RB_THREADS 256
-__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem) {
-    const u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
 // Two floats (v.x at the lower column) rounded to a packed bf16 pair hi; true when both are
 // bf16 values (hi exact).
 __device__ __forceinline__ bool bf16x2_hi(float2 v, u32& hi) {
@@ -557,7 +551,7 @@ __device__ __forceinline__ void router_bf16_tile(const float* __restrict__ x, co
 #pragma unroll
             for (int p = 0; p < NT / 2; p++) {
                 u32 b[4];
-                ldmatrix_x4(b, sw + (lrow + 16 * p) * RB_WLD + kk + lcol);
+                ldsm_x4(b, smem_u32(sw + (lrow + 16 * p) * RB_WLD + kk + lcol));
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     float* d = part[2 * p + h];
