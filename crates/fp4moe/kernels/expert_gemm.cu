@@ -126,22 +126,37 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     const bool run = active_warp && k_lo < k_hi;
     const size_t wrow = (size_t)e * p.rg_w + rg;
     const size_t wrow_up = wrow + p.rg_out;
-    const uint4* wd0 = reinterpret_cast<const uint4*>(p.wdata) + wrow * p.kg * 32 + lane;
-    const uint2* ws0 = reinterpret_cast<const uint2*>(p.wscales) + wrow * p.kg * 8 + g;
-    const uint4* wdu0 = reinterpret_cast<const uint4*>(p.wdata) + wrow_up * p.kg * 32 + lane;
-    const uint2* wsu0 = reinterpret_cast<const uint2*>(p.wscales) + wrow_up * p.kg * 8 + g;
+    // NVFP4: loads through running pointers at k group kgi (advanced by two groups per
+    // iteration, the next two groups' loads at immediate offsets), made opaque so ptxas keeps
+    // them in registers: under the 64-register cap it rebuilt each load's 64-bit address from
+    // the kernel parameters (an LDC.64 and ~5 integer operations per load; run 133: Nemotron
+    // 2-64 tokens -2.6 to -3.8 %, Qwen3 2-16 tokens -6.4 to -7.3 %). Each slice sets them from
+    // the weight row, itself made opaque there, so that ptxas rebuilds them (a few integer
+    // operations per slice) instead of keeping four 64-bit bases live through the k loop: at
+    // three blocks per SM (80 registers) the gated deep kernels spilled them.
+    const uint4 *wd, *wdu;
+    const uint2 *ws, *wsu;
+    const u32 wrow32 = (u32)wrow;
+    auto set_ptrs = [&](int lo) {
+        u32 r = wrow32;
+        asm volatile("" : "+r"(r));
+        const size_t rk = (size_t)r * p.kg + lo;
+        wd = reinterpret_cast<const uint4*>(p.wdata) + rk * 32 + lane;
+        ws = reinterpret_cast<const uint2*>(p.wscales) + rk * 8 + g;
+        asm volatile("" : "+l"(wd), "+l"(ws));
+        if (GATED) {
+            const size_t ru = rk + (size_t)p.rg_out * p.kg;
+            wdu = reinterpret_cast<const uint4*>(p.wdata) + ru * 32 + lane;
+            wsu = reinterpret_cast<const uint2*>(p.wscales) + ru * 8 + g;
+            asm volatile("" : "+l"(wdu), "+l"(wsu));
+        }
+    };
     for (int t0 = 0; t0 < n_e; t0 += NT) {
         __syncthreads();
         int nvalid = min(NT, n_e - t0);
         int nsub_valid = (nvalid + 7) / 8;
 
-        // NVFP4: loads through running pointers at k group kgi (advanced by two groups per
-        // iteration, the next two groups' loads at immediate offsets), made opaque so ptxas keeps
-        // them in registers: under the 64-register cap it rebuilt each load's 64-bit address from
-        // the kernel parameters (an LDC.64 and ~5 integer operations per load; run 133: Nemotron
-        // 2-64 tokens -2.6 to -3.8 %, Qwen3 2-16 tokens -6.4 to -7.3 %).
-        const uint4 *wd = wd0 + k_lo * 32, *wdu = wdu0 + k_lo * 32;
-        const uint2 *ws = ws0 + k_lo * 8, *wsu = wsu0 + k_lo * 8;
+        if (KIND == 0 && run) set_ptrs(k_lo);
         // Software pipeline, two k groups deep: a group's registers are refilled with the group
         // two ahead as soon as its MMAs are issued.
         uint4 da = make_uint4(0, 0, 0, 0), dua = da, db = da, dub = da;
@@ -196,14 +211,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         // groups in flight.
         auto phase = [&](float (&A)[NSUB][4], float (&AU)[NSUB][4], int lo, int hi, uint4& d0, uint2& s0,
                          uint4& du0, uint2& su0, uint4& d1, uint2& s1, uint4& du1, uint2& su1) {
-            wd = wd0 + lo * 32;
-            ws = ws0 + lo * 8;
-            asm volatile("" : "+l"(wd), "+l"(ws));
-            if (GATED) {
-                wdu = wdu0 + lo * 32;
-                wsu = wsu0 + lo * 8;
-                asm volatile("" : "+l"(wdu), "+l"(wsu));
-            }
+            set_ptrs(lo);
             for (int kgi = lo; kgi < hi; kgi += 2) {
                 nvfp4_kgroup<NSUB, GATED>(d0, s0, du0, su0, kgi, A, AU, bl_s, sub_bytes, nsub_valid);
                 if (kgi + 2 < k_hi) load(2, d0, s0, du0, su0);
@@ -302,13 +310,15 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     if (STAGE == 1 && p.ready) expert_ready_signal(p, e);
 }
 
-// Non-gated variants are held to 64 registers (two 16-warp blocks per SM): occupancy is what
-// keeps enough weight bytes in flight. Gated and bf16 (shared expert) ones need more room, and so
+// Non-gated variants are held to 64 registers (two 16-warp blocks per SM, four 8-warp deep ones):
+// occupancy is what keeps enough weight bytes in flight. The gated deep kernels are held to 80
+// (three blocks per SM, 24 warps): at two blocks Qwen3's GEMM1 grid at 8 tokens (~50 experts x
+// 6 blocks) was 1.14 waves, the last one a lone latency chain per warp. Gated and bf16 (shared expert) ones need more room, and so
 // does the narrow two-subtile shape (it spilled under the cap; it runs only when forced).
 #define NARROW_ROOM(NSUB, RG) (NSUB == 2 && RG == 2)
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG)                                  \
     extern "C" __global__ void __launch_bounds__(                                                        \
-        NW * 32, VS == 2 ? ((GATED || KIND == 1) ? 2 : 4)                                                \
+        NW * 32, VS == 2 ? (KIND == 1 ? 2 : GATED ? 3 : 4)                                             \
                          : ((GATED || NSUB == 4 || KIND == 1 || NARROW_ROOM(NSUB, RG)) ? 1 : 2))        \
         NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                     \
         gemm_enter<STAGE>(p);                                                                             \

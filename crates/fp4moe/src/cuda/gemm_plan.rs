@@ -24,7 +24,7 @@ pub enum GemmShape {
     Wide,
     /// One token subtile only (else wide): 8 row groups x 1 warp that runs both of the wide
     /// shape's K slices into separate sums added as the wide block adds them (the same bits),
-    /// 8 warps per block and four blocks per SM (non-gated; two gated): twice the blocks
+    /// 8 warps per block and four blocks per SM (non-gated; three gated): twice the blocks
     /// resident, so one block's start (its routing reads, activation staging and first weight
     /// loads) overlaps three others' k loops, and no split-K exchange through shared memory.
     /// Each warp's chain is twice the wide one's, so it loses where the grid is about one wave
