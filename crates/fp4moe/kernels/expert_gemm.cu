@@ -312,10 +312,11 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 
 // Non-gated variants are held to 64 registers (two 16-warp blocks per SM, four 8-warp deep ones):
 // occupancy is what keeps enough weight bytes in flight. The gated deep kernels are held to 80
-// (three blocks per SM, 24 warps): at two blocks Qwen3's GEMM1 grid at 8 tokens (~50 experts x
-// 6 blocks) was 1.14 waves, the last one a lone latency chain per warp (KERNEL_NOTES run 170:
-// Qwen3 8-96 tokens 3-5.7 % faster; 4-6 tokens, under one wave either way, 2 % slower). Gated and bf16 (shared expert) ones need more room, and so
-// does the narrow two-subtile shape (it spilled under the cap; it runs only when forced).
+// (three blocks per SM): at two, Qwen3's GEMM1 grid at 8 tokens (~50 experts x 6 blocks) was
+// 1.14 waves, the last a lone latency chain per warp (KERNEL_NOTES run 170: Qwen3 8-96 tokens
+// 3-5.7 % faster; 4-6 tokens, under one wave either way, 2 % slower). The other gated and the
+// bf16 (shared expert) kernels need more room, and so does the narrow two-subtile shape (it
+// spilled under the cap; it runs only when forced).
 #define NARROW_ROOM(NSUB, RG) (NSUB == 2 && RG == 2)
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG)                                  \
     extern "C" __global__ void __launch_bounds__(                                                        \

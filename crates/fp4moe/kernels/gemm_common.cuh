@@ -64,19 +64,13 @@ __device__ __forceinline__ void cp_async_wait() {
 // fence_proxy_async orders this thread's generic-proxy shared-memory accesses (cp.async writes
 // included) with later async-proxy ones (wgmma reads, bulk-copy writes).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-// 32-bit load from shared address `s`. `volatile` and the "memory" clobber keep it between the
-// __syncthreads that publish and retire the data (a non-volatile asm without memory operands
-// counts as pure and was hoisted out of a loop with barriers; the clobber is what the inline-PTX
-// guide names for memory ordering). Same SASS as without the clobber (sm_90a, NVRTC 13.0).
-__device__ __forceinline__ u32 lds_u32(u32 s) {
-    u32 v;
-    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(s) : "memory");
-    return v;
-}
-// Four 8x8 bf16 matrices from shared memory (ldmatrix .x4): lane l gives the address of row
+// Four 8x8 bf16 matrices from shared address `s` (ldmatrix .x4): lane l gives the address of row
 // l % 8 of matrix l / 8 (16 bytes, 16-byte aligned) and receives, of each matrix i, row l / 4,
 // elements 2(l % 4) and 2(l % 4) + 1 in r[i]: with rows = tokens and 8 consecutive k per row,
-// an mma B fragment register. Volatile with a "memory" clobber for the reason lds_u32 gives.
+// an mma B fragment register. `volatile` and the "memory" clobber keep it between the
+// __syncthreads that publish and retire the data (a non-volatile asm without memory operands
+// counts as pure and was hoisted out of a loop with barriers; the clobber is what the inline-PTX
+// guide names for memory ordering).
 __device__ __forceinline__ void ldsm_x4(u32 r[4], u32 s) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
