@@ -87,7 +87,8 @@ __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 s
 // VS: K slices per warp. The deep shape (VS 2) runs a wide block's two K slices of a row group in
 // one warp, each into its own accumulators added at the end as the wide block's reduction adds
 // them (the same bits), with half the warps per block and four blocks per SM.
-template <int KIND, int STAGE, bool GATED, int NSUB, int RGPB, int NWARPS, int VS>
+// DEPTH: k groups of weights in flight per warp (the register pipeline of gemm_body).
+template <int KIND, int STAGE, bool GATED, int NSUB, int RGPB, int NWARPS, int VS, int DEPTH>
 __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     constexpr int KSPLIT = NWARPS / RGPB;
     constexpr int NT = 8 * NSUB;
@@ -157,24 +158,31 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         int nsub_valid = (nvalid + 7) / 8;
 
         if (KIND == 0 && run) set_ptrs(k_lo);
-        // Software pipeline, two k groups deep: a group's registers are refilled with the group
-        // two ahead as soon as its MMAs are issued.
-        uint4 da = make_uint4(0, 0, 0, 0), dua = da, db = da, dub = da;
-        uint2 sa = make_uint2(0, 0), sua = sa, sb = sa, sub = sa;
-        // k group kgi = (the iteration's first group) + i.
-        auto load = [&](int i, uint4& d, uint2& sc, uint4& du, uint2& su) {
-            d = ld_stream(wd + i * 32);
-            sc = ld_stream2(ws + i * 8);
+        // Software pipeline, DEPTH k groups deep: a group's registers are refilled with the group
+        // DEPTH ahead as soon as its MMAs are issued. Buffer arrays indexed only by constants
+        // (unrolled loops, compile-time rotations), so they live in registers.
+        uint4 dq[DEPTH], duq[DEPTH];
+        uint2 sq[DEPTH], suq[DEPTH];
+#pragma unroll
+        for (int i = 0; i < DEPTH; i++) {
+            dq[i] = duq[i] = make_uint4(0, 0, 0, 0);
+            sq[i] = suq[i] = make_uint2(0, 0);
+        }
+        // k group kgi = (the iteration's first group) + i, into buffer b.
+        auto load = [&](int i, int b) {
+            dq[b] = ld_stream(wd + i * 32);
+            sq[b] = ld_stream2(ws + i * 8);
             if (GATED) {
-                du = ld_stream(wdu + i * 32);
-                su = ld_stream2(wsu + i * 8);
+                duq[b] = ld_stream(wdu + i * 32);
+                suq[b] = ld_stream2(wsu + i * 8);
             }
         };
-        // The first two k groups' weights are requested before the activations are staged:
+        // The first DEPTH k groups' weights are requested before the activations are staged:
         // they do not depend on them, and their DRAM latency then overlaps the staging's.
         if (KIND == 0 && run) {
-            load(0, da, sa, dua, sua);
-            if (k_lo + 1 < k_hi) load(1, db, sb, dub, sub);
+#pragma unroll
+            for (int i = 0; i < DEPTH; i++)
+                if (i == 0 || k_lo + i < k_hi) load(i, i);
         }
 
         if (STAGE == 2 && p.wait_blocks > 0 && t0 == 0)
@@ -206,29 +214,40 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[s][c] = accu[s][c] = acc1[s][c] = accu1[s][c] = 0.0f;
 
-        // k groups [lo, hi) into (A, AU), the register pipeline's group lo in (d0 ...) and lo + 1
-        // in (d1 ...); loads run ahead to k_hi, so the next slice starts with its first two
-        // groups in flight.
-        auto phase = [&](float (&A)[NSUB][4], float (&AU)[NSUB][4], int lo, int hi, uint4& d0, uint2& s0,
-                         uint4& du0, uint2& su0, uint4& d1, uint2& s1, uint4& du1, uint2& su1) {
+        // k groups [lo, hi) into (A, AU), group lo in buffer `rot`, lo + i in (rot + i) % DEPTH;
+        // loads run ahead to k_hi, so the next slice starts with its first DEPTH groups in
+        // flight. The loop is spelled once per rotation (a macro: NVRTC compiles no generic
+        // lambdas), so every buffer index is a constant.
+#define DECODE_PHASE_LOOP(ROT)                                                                          \
+    for (int kgi = lo; kgi < hi; kgi += DEPTH) {                                                        \
+        _Pragma("unroll") for (int i = 0; i < DEPTH; i++) {                                             \
+            const int b = ((ROT) + i) % DEPTH;                                                          \
+            if (i == 0 || kgi + i < hi) {                                                               \
+                nvfp4_kgroup<NSUB, GATED>(dq[b], sq[b], duq[b], suq[b], kgi + i, A, AU, bl_s, sub_bytes, \
+                                          nsub_valid);                                                  \
+                if (kgi + i + DEPTH < k_hi) load(DEPTH + i, b);                                         \
+            }                                                                                           \
+        }                                                                                               \
+        wd += DEPTH * 32;                                                                               \
+        ws += DEPTH * 8;                                                                                \
+        asm volatile("" : "+l"(wd), "+l"(ws));                                                          \
+        if (GATED) {                                                                                    \
+            wdu += DEPTH * 32;                                                                          \
+            wsu += DEPTH * 8;                                                                           \
+            asm volatile("" : "+l"(wdu), "+l"(wsu));                                                    \
+        }                                                                                               \
+    }
+        auto phase = [&](float (&A)[NSUB][4], float (&AU)[NSUB][4], int lo, int hi, int rot) {
             set_ptrs(lo);
-            for (int kgi = lo; kgi < hi; kgi += 2) {
-                nvfp4_kgroup<NSUB, GATED>(d0, s0, du0, su0, kgi, A, AU, bl_s, sub_bytes, nsub_valid);
-                if (kgi + 2 < k_hi) load(2, d0, s0, du0, su0);
-                if (kgi + 1 < hi) {
-                    nvfp4_kgroup<NSUB, GATED>(d1, s1, du1, su1, kgi + 1, A, AU, bl_s, sub_bytes, nsub_valid);
-                    if (kgi + 3 < k_hi) load(3, d1, s1, du1, su1);
-                }
-                wd += 64;
-                ws += 16;
-                asm volatile("" : "+l"(wd), "+l"(ws));
-                if (GATED) {
-                    wdu += 64;
-                    wsu += 16;
-                    asm volatile("" : "+l"(wdu), "+l"(wsu));
-                }
+            if (rot == 0) {
+                DECODE_PHASE_LOOP(0)
+            } else if (DEPTH < 3 || rot == 1) {
+                DECODE_PHASE_LOOP(1)
+            } else {
+                DECODE_PHASE_LOOP(2)
             }
         };
+#undef DECODE_PHASE_LOOP
         auto bf16_slice = [&](float (&A)[NSUB][4], float (&AU)[NSUB][4], int lo, int hi) {
             const int kb_n = kp / 16;
             const uint4* bd = reinterpret_cast<const uint4*>(p.wdata) + wrow * kb_n * 32 + lane;
@@ -248,16 +267,9 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
         };
         if (run) {
             if (KIND == 0) {
-                if (VS == 1) {
-                    phase(acc, accu, k_lo, k_hi, da, sa, dua, sua, db, sb, dub, sub);
-                } else {
-                    phase(acc, accu, k_lo, mid, da, sa, dua, sua, db, sb, dub, sub);
-                    // The second slice's first group is in the buffer after the first slice's last.
-                    if (((mid - k_lo) & 1) == 0)
-                        phase(acc1, accu1, mid, k_hi, da, sa, dua, sua, db, sb, dub, sub);
-                    else
-                        phase(acc1, accu1, mid, k_hi, db, sb, dub, sub, da, sa, dua, sua);
-                }
+                phase(acc, accu, k_lo, VS == 1 ? k_hi : mid, 0);
+                // The second slice's first group is in the buffer after the first slice's last.
+                if (VS == 2) phase(acc1, accu1, mid, k_hi, (mid - k_lo) % DEPTH);
             } else {
                 bf16_slice(acc, accu, k_lo, mid);
                 if (VS == 2) bf16_slice(acc1, accu1, mid, k_hi);
@@ -318,13 +330,18 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 // bf16 (shared expert) kernels need more room, and so does the narrow two-subtile shape (it
 // spilled under the cap; it runs only when forced).
 #define NARROW_ROOM(NSUB, RG) (NSUB == 2 && RG == 2)
+// k groups in flight per warp: three in the non-gated deep kernels, else two.
+#ifndef DECODE_DEEP_DEPTH
+#define DECODE_DEEP_DEPTH 3
+#endif
+#define DECODE_DEPTH(GATED, VS) ((!GATED && VS == 2) ? DECODE_DEEP_DEPTH : 2)
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG)                                  \
     extern "C" __global__ void __launch_bounds__(                                                        \
         NW * 32, VS == 2 ? (KIND == 1 ? 2 : GATED ? 3 : 4)                                             \
                          : ((GATED || NSUB == 4 || KIND == 1 || NARROW_ROOM(NSUB, RG)) ? 1 : 2))        \
         NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                     \
         gemm_enter<STAGE>(p);                                                                             \
-        gemm_body<KIND, STAGE, GATED, NSUB, RG, NW, VS>(p);                                              \
+        gemm_body<KIND, STAGE, GATED, NSUB, RG, NW, VS, DECODE_DEPTH(GATED, VS)>(p);                     \
         gemm_exit<STAGE>(p);                                                                              \
     }
 #define INSTANTIATE(NAME, KIND, STAGE, GATED)                     \
