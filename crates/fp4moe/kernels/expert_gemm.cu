@@ -239,12 +239,15 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     }
         auto phase = [&](float (&A)[NSUB][4], float (&AU)[NSUB][4], int lo, int hi, int rot) {
             set_ptrs(lo);
+            static_assert(DEPTH >= 2 && DEPTH <= 4, "one loop per rotation below");
             if (rot == 0) {
                 DECODE_PHASE_LOOP(0)
             } else if (DEPTH < 3 || rot == 1) {
                 DECODE_PHASE_LOOP(1)
-            } else {
+            } else if (DEPTH < 4 || rot == 2) {
                 DECODE_PHASE_LOOP(2)
+            } else {
+                DECODE_PHASE_LOOP(3)
             }
         };
 #undef DECODE_PHASE_LOOP
