@@ -127,8 +127,8 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     const bool run = active_warp && k_lo < k_hi;
     const size_t wrow = (size_t)e * p.rg_w + rg;
     const size_t wrow_up = wrow + p.rg_out;
-    // NVFP4: loads through running pointers at k group kgi (advanced by two groups per
-    // iteration, the next two groups' loads at immediate offsets), made opaque so ptxas keeps
+    // NVFP4: loads through running pointers at k group kgi (advanced by DEPTH groups per
+    // iteration, the next DEPTH groups' loads at immediate offsets), made opaque so ptxas keeps
     // them in registers: under the 64-register cap it rebuilt each load's 64-bit address from
     // the kernel parameters (an LDC.64 and ~5 integer operations per load; run 133: Nemotron
     // 2-64 tokens -2.6 to -3.8 %, Qwen3 2-16 tokens -6.4 to -7.3 %). Each slice sets them from
@@ -149,6 +149,16 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
             const size_t ru = rk + (size_t)p.rg_out * p.kg;
             wdu = reinterpret_cast<const uint4*>(p.wdata) + ru * 32 + lane;
             wsu = reinterpret_cast<const uint2*>(p.wscales) + ru * 8 + g;
+            asm volatile("" : "+l"(wdu), "+l"(wsu));
+        }
+    };
+    auto step_ptrs = [&]() {
+        wd += DEPTH * 32;
+        ws += DEPTH * 8;
+        asm volatile("" : "+l"(wd), "+l"(ws));
+        if (GATED) {
+            wdu += DEPTH * 32;
+            wsu += DEPTH * 8;
             asm volatile("" : "+l"(wdu), "+l"(wsu));
         }
     };
@@ -228,14 +238,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
                 if (kgi + i + DEPTH < k_hi) load(DEPTH + i, b);                                         \
             }                                                                                           \
         }                                                                                               \
-        wd += DEPTH * 32;                                                                               \
-        ws += DEPTH * 8;                                                                                \
-        asm volatile("" : "+l"(wd), "+l"(ws));                                                          \
-        if (GATED) {                                                                                    \
-            wdu += DEPTH * 32;                                                                          \
-            wsu += DEPTH * 8;                                                                           \
-            asm volatile("" : "+l"(wdu), "+l"(wsu));                                                    \
-        }                                                                                               \
+        step_ptrs();                                                                                    \
     }
         auto phase = [&](float (&A)[NSUB][4], float (&AU)[NSUB][4], int lo, int hi, int rot) {
             set_ptrs(lo);
