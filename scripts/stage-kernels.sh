@@ -5,6 +5,9 @@
 # cache key (source, headers, options but the include path, NVRTC major.minor, arch) is the same
 # on both machines while both have NVRTC 13.0 (the device's driver is CUDA 13.0). gpu-ab.sh copies
 # these into its caches; elsewhere: `cp -r .gpu/kc /tmp/kc; export FP4MOE_CACHE_DIR=/tmp/kc`.
+# STAGE_DEFINES="SET …" also compiles each binary's kernels under those FP4MOE_DEFINES sets
+# (joined by +, e.g. "DECODE_DEEP_DEPTH=4 DECODE_WIDE_DEPTH=3+X=1"); the cache key holds the
+# defines, so one directory serves gpu-ab.sh's `BIN@FP4MOE_DEFINES=…` variants too.
 #   ../shared/tools/gpu-stage …; [scripts/stage-alt.sh REV …;] scripts/stage-kernels.sh
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
@@ -16,6 +19,8 @@ for bin in "$root"/.gpu/fp4moe "$root"/.gpu/alt-*/fp4moe; do
   [ -x "$bin" ] || continue
   kc=$(dirname "$bin")/kc
   rm -rf "$kc"
-  LD_LIBRARY_PATH="$nv/lib" FP4MOE_CACHE_DIR="$kc" "$bin" compile-kernels --arch sm_90a > /dev/null
+  for defs in "" ${STAGE_DEFINES:-}; do
+    LD_LIBRARY_PATH="$nv/lib" FP4MOE_CACHE_DIR="$kc" FP4MOE_DEFINES="$defs" "$bin" compile-kernels --arch sm_90a > /dev/null
+  done
   echo "staged $kc ($(du -sh "$kc" | cut -f1))"
 done

@@ -266,6 +266,25 @@ fn extra_defines() -> Vec<String> {
         .collect()
 }
 
+/// The options that enter a file's cache key: all but the `-D` defines its source and the
+/// kernel headers never name (so the variants of one `FP4MOE_DEFINES` experiment share the
+/// CUBINs of every file it does not touch). A define in the reserved `_` namespace is always
+/// kept: it may steer the CUDA headers.
+fn key_options<'a>(source: &str, opts: &'a [String]) -> Vec<&'a str> {
+    let named = |name: &str| {
+        name.starts_with('_')
+            || source.contains(name)
+            || HEADERS.iter().any(|(_, text)| text.contains(name))
+    };
+    opts.iter()
+        .map(String::as_str)
+        .filter(|o| match o.strip_prefix("-D") {
+            Some(def) => named(def.split('=').next().unwrap_or(def)),
+            None => true,
+        })
+        .collect()
+}
+
 fn options(arch: &str, include: &std::path::Path) -> Vec<String> {
     let mut opts = vec![
         format!("--gpu-architecture={arch}"),
@@ -299,7 +318,7 @@ pub fn compile(file: &str, source: &str, arch: &str) -> Result<Compiled, Compile
     (
         source,
         HEADERS,
-        &opts[..opts.len() - 1],
+        key_options(source, &opts[..opts.len() - 1]),
         version,
         arch,
         env!("CARGO_PKG_VERSION"),
@@ -531,6 +550,42 @@ mod tests {
             }
         }
         assert_eq!(kernel_names("expert_gemm.cu").len(), 42);
+    }
+
+    #[test]
+    fn cache_keys_keep_only_the_defines_a_file_names() {
+        let opts: Vec<String> = [
+            "--gpu-architecture=sm_90a",
+            "-DDECODE_DEEP_DEPTH=4",
+            "-DPF_MMA_STEPS=2",
+            "-D__CUDA_NO_HALF_OPERATORS__",
+            "-DNVFP4_DEQ_UNSCALE",
+        ]
+        .map(String::from)
+        .to_vec();
+        let gemm = SOURCES
+            .iter()
+            .find(|(f, _)| *f == "expert_gemm.cu")
+            .map(|(_, s)| *s);
+        let combine = SOURCES
+            .iter()
+            .find(|(f, _)| *f == "combine.cu")
+            .map(|(_, s)| *s);
+        let (Some(gemm), Some(combine)) = (gemm, combine) else {
+            panic!("expert_gemm.cu and combine.cu are kernel sources");
+        };
+        // expert_gemm.cu names DECODE_DEEP_DEPTH, no file names PF_MMA_STEPS; a header macro
+        // (gemm_common.cuh) and the reserved namespace stay in every key.
+        let both = [
+            "--gpu-architecture=sm_90a",
+            "-D__CUDA_NO_HALF_OPERATORS__",
+            "-DNVFP4_DEQ_UNSCALE",
+        ];
+        assert_eq!(
+            key_options(gemm, &opts),
+            [&both[..1], &["-DDECODE_DEEP_DEPTH=4"], &both[1..]].concat()
+        );
+        assert_eq!(key_options(combine, &opts), both);
     }
 
     #[test]
