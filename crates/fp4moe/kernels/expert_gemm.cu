@@ -336,13 +336,23 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 // bf16 (shared expert) kernels need more room, and so does the narrow two-subtile shape (it
 // spilled under the cap; it runs only when forced).
 #define NARROW_ROOM(NSUB, RG) (NSUB == 2 && RG == 2)
-// k groups in flight per warp: three in the non-gated deep kernels (KERNEL_NOTES run 173: their
-// last wave is a lone chain per warp; Nemotron 6-96 tokens 1.5-4.7 % faster), else two (the gated
-// deep kernels have no registers to spare at three blocks per SM).
+// k groups in flight per warp: three in the non-gated kernels, deep (KERNEL_NOTES run 173: their
+// last wave is a lone chain per warp; Nemotron 6-96 tokens 1.5-4.7 % faster), wide and narrow
+// (run 176: Nemotron 3-4 tokens -2.5 %, 112-120 tokens -1.7 to -2.1 %); two in the gated ones
+// (wide at three: Qwen3 2 tokens +1.9 %, run 176; deep: a third spills at three blocks per SM,
+// and two blocks with three groups made Qwen3 8-96 tokens 3-6 % slower, run 175). Defines, so
+// that FP4MOE_DEFINES variants time the alternatives.
 #ifndef DECODE_DEEP_DEPTH
 #define DECODE_DEEP_DEPTH 3
 #endif
-#define DECODE_DEPTH(GATED, VS) ((!GATED && VS == 2) ? DECODE_DEEP_DEPTH : 2)
+#ifndef DECODE_WIDE_DEPTH
+#define DECODE_WIDE_DEPTH 3
+#endif
+#ifndef DECODE_GATED_WIDE_DEPTH
+#define DECODE_GATED_WIDE_DEPTH 2
+#endif
+#define DECODE_DEPTH(GATED, VS) \
+    (VS == 2 ? (GATED ? 2 : DECODE_DEEP_DEPTH) : (GATED ? DECODE_GATED_WIDE_DEPTH : DECODE_WIDE_DEPTH))
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG)                                  \
     extern "C" __global__ void __launch_bounds__(                                                        \
         NW * 32, VS == 2 ? (KIND == 1 ? 2 : GATED ? 3 : 4)                                             \

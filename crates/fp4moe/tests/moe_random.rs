@@ -279,7 +279,7 @@ fn skewed_routing(backend: Backend) {
 fn batch_independence(backend: Backend) {
     // A token's output does not depend on which other tokens share its batch, bit for bit, as
     // long as both batches take the same kernels. On CUDA, 8 gated experts x top-2 run the
-    // decode GEMMs below 28 tokens (7 per expert) and the prefill GEMMs from there, which sum
+    // decode GEMMs below 29 tokens (7.25 per expert) and the prefill GEMMs from there, which sum
     // in another order; the second pair crosses that threshold (40 tokens prefill, 16 decode)
     // and has passed on the H200 since the threshold moved above 16 tokens: with K of 96 and 80
     // (two 64-wide k chunks at most) both paths give the same bits. README's limits say where

@@ -160,8 +160,8 @@ pub(super) fn handoff_by_default(
 pub const DEEP_GATED_FROM_TOKENS: usize = 4;
 
 /// Routed NVFP4 experts of a non-gated layer: both decode GEMMs take the deep shape from this
-/// many tokens (one token subtile only: above [`DEEP_NONGATED_ONE_SUBTILE_UP_TO`] mean tokens
-/// per expert, rounded up, the wide kernels with two or four subtiles run). Run 153 (H200, Nemotron-3 Nano,
+/// many tokens (one token subtile only: above [`DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS`]
+/// quarter tokens per expert, the wide kernels with two or four subtiles run). Run 153 (H200, Nemotron-3 Nano,
 /// µs, mean of two rounds, both GEMMs deep against the rule before it, GEMM2 deep from 8 and
 /// GEMM1 from 40): 4 tokens 60.1 / 57.6, 6 73.7 / 75.0, 8 84.3 / 87.8, 12 102.8 / 106.1, 16
 /// 127.8 / 128.9, 24 151.8 / 157.4, 32 163.2 / 170.3, 40 176.0 / 175.0; 2 tokens 53.6 / 41.4
@@ -176,35 +176,35 @@ pub const DEEP_NONGATED_FROM_TOKENS: usize = 6;
 /// 139.2 / 170.6 µs, 6 152.9 / 174.8, 8 178.8 / 179.0.
 pub const DEEP_GATED_ONE_SUBTILE_UP_TO: usize = 8;
 
-/// Mean tokens per routed expert (rounded up) up to which a non-gated layer's deep decode GEMMs
-/// keep one token subtile. Run 150 (H200, Nemotron-3 Nano, the active experts ordered by pair
-/// count, forced decode with one subtile deep against the default two wide subtiles, µs, mean
-/// of two rounds): 88 tokens (4.1 per expert) 251.4 / 260.9, 96 (4.5) 256.1 / 261.0, 104 (4.9)
-/// 270.1 / 275.8, 112 (5.25) 281.6 / 276.8. Was 4 (the wide shape's) until session 35.
-pub const DEEP_NONGATED_ONE_SUBTILE_UP_TO: usize = 5;
+/// Mean tokens per routed expert, in quarters, up to which a non-gated layer's deep decode GEMMs
+/// keep one token subtile: 4.5. Run 176 (H200, Nemotron-3 Nano, µs, mean of two rounds, one
+/// subtile deep against two wide, both at three k groups in flight): 88 tokens (4.1 per expert)
+/// 231.3 / 237.7, 96 (4.5) 231.7 / 232.9, 104 (4.9) 263.6 / 254.7. Was 5 per expert (run 150,
+/// two k groups in the wide kernels: 104 tokens 270.1 / 275.8) and 4 until session 35.
+pub const DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS: usize = 18;
 
 /// Token subtiles (8 tokens each) per pass of the mma decode GEMMs, from the mean tokens per
-/// expert under uniform routing (`per_expert`, rounded up): 1 for a batch of at most 8 tokens
-/// or up to 4 per expert (on the deep shape, which exists for one subtile, up to
-/// [`DEEP_GATED_ONE_SUBTILE_UP_TO`] for both GEMMs of a gated layer (`gated`),
-/// [`DEEP_NONGATED_ONE_SUBTILE_UP_TO`] for a non-gated one), 2 up to 12, else 4. Busier
+/// expert under uniform routing in quarters (`per_expert_quarters`, rounded up): 1 for a batch
+/// of at most 8 tokens or up to 4 per expert (on the deep shape, which exists for one subtile,
+/// up to [`DEEP_GATED_ONE_SUBTILE_UP_TO`] for both GEMMs of a gated layer (`gated`),
+/// [`DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS`] for a non-gated one), 2 up to 12, else 4. Busier
 /// experts take several passes (their weights come from L2 the second time; the grouping
 /// dispatches them first, `sort_pairs.cuh`); larger tiles cost more than that in occupancy
 /// (measured: docs/KERNEL_NOTES.md).
 pub(super) fn subtiles_wanted(
     tokens: usize,
-    per_expert: usize,
+    per_expert_quarters: usize,
     gated: bool,
     shape: GemmShape,
 ) -> usize {
     let one_up_to = match (shape, gated) {
-        (GemmShape::Deep, true) => DEEP_GATED_ONE_SUBTILE_UP_TO,
-        (GemmShape::Deep, false) => DEEP_NONGATED_ONE_SUBTILE_UP_TO,
-        _ => 4,
+        (GemmShape::Deep, true) => 4 * DEEP_GATED_ONE_SUBTILE_UP_TO,
+        (GemmShape::Deep, false) => DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS,
+        _ => 4 * 4,
     };
-    if tokens <= 8 || per_expert <= one_up_to {
+    if tokens <= 8 || per_expert_quarters <= one_up_to {
         1
-    } else if per_expert <= 12 {
+    } else if per_expert_quarters <= 4 * 12 {
         2
     } else {
         4
@@ -226,9 +226,11 @@ pub enum GemmPath {
 /// the deep shape with one token subtile up to [`DEEP_GATED_ONE_SUBTILE_UP_TO`] per expert /
 /// prefill): 80 tokens (5 per expert) 137.7 / 157.2, 96 (6) 151.6 / 159.3, 104 (6.5) 157.4 /
 /// 160.4, 112 (7) 166.0 / 161.1, 120 (7.5) 173.0 / 163.4, 128 (8) 176.9 / 158.3 → prefill from
-/// 7. Until session 34: from 4.75 (runs 133–135, where forced decode ran the wide two-subtile
-/// kernels from 5 per expert: 169.4 / 168.0 at 5), from 3 until session 30.
-pub const PREFILL_GATED_FROM_QUARTERS: usize = 28;
+/// 7. Run 176 (the decode GEMMs since sessions 37–38, forced decode / default): 112 tokens
+/// 151.3 / 153.9, 120 (7.5) 154.8 / 154.8, 128 162.7 / 154.9 → prefill from 7.25. Until session
+/// 39 from 7; until session 34 from 4.75 (runs 133–135, where forced decode ran the wide
+/// two-subtile kernels from 5 per expert: 169.4 / 168.0 at 5), from 3 until session 30.
+pub const PREFILL_GATED_FROM_QUARTERS: usize = 29;
 
 /// Mean tokens per routed expert, in quarters, from which non-gated layers take the prefill
 /// kernels. Measured (runs 134–135, µs, forced decode / forced prefill, Nemotron-3 Nano, E 128,
@@ -844,30 +846,31 @@ mod tests {
     #[test]
     fn subtiles_follow_tokens_per_expert_and_the_deep_shape() {
         use GemmShape::{Deep, Wide};
-        // (tokens, mean tokens per expert rounded up, gated layer, shape)
+        // (tokens, mean tokens per expert in quarters rounded up, gated layer, shape)
         for gated in [true, false] {
             for shape in [Wide, Deep] {
                 assert_eq!(
-                    subtiles_wanted(8, 64, gated, shape),
+                    subtiles_wanted(8, 4 * 64, gated, shape),
                     1,
                     "a batch of 8 fits one"
                 );
-                assert_eq!(subtiles_wanted(64, 4, gated, shape), 1);
-                assert_eq!(subtiles_wanted(300, 13, gated, shape), 4);
+                assert_eq!(subtiles_wanted(64, 4 * 4, gated, shape), 1);
+                assert_eq!(subtiles_wanted(300, 4 * 12 + 1, gated, shape), 4);
             }
-            assert_eq!(subtiles_wanted(80, 5, gated, Wide), 2);
-            assert_eq!(subtiles_wanted(300, 12, gated, Deep), 2);
+            assert_eq!(subtiles_wanted(80, 4 * 4 + 1, gated, Wide), 2);
+            assert_eq!(subtiles_wanted(300, 4 * 12, gated, Deep), 2);
         }
         // A gated layer's deep GEMMs keep one subtile up to DEEP_GATED_ONE_SUBTILE_UP_TO.
-        let up_to = DEEP_GATED_ONE_SUBTILE_UP_TO;
-        assert_eq!(subtiles_wanted(80, 5, true, Deep), 1);
+        let up_to = 4 * DEEP_GATED_ONE_SUBTILE_UP_TO;
+        assert_eq!(subtiles_wanted(80, 4 * 5, true, Deep), 1);
         assert_eq!(subtiles_wanted(200, up_to, true, Deep), 1);
         assert_eq!(subtiles_wanted(200, up_to + 1, true, Deep), 2);
-        // A non-gated layer's up to DEEP_NONGATED_ONE_SUBTILE_UP_TO.
-        let up_to = DEEP_NONGATED_ONE_SUBTILE_UP_TO;
-        assert_eq!(subtiles_wanted(104, up_to, false, Deep), 1);
-        assert_eq!(subtiles_wanted(112, up_to + 1, false, Deep), 2);
-        assert_eq!(subtiles_wanted(104, up_to, false, Wide), 2);
+        // A non-gated layer's up to DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS: Nemotron-3 Nano
+        // (E 128, top-6) keeps one at 96 tokens (18 quarters per expert), two at 104 (19.5).
+        let up_to = DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS;
+        assert_eq!(subtiles_wanted(96, up_to, false, Deep), 1);
+        assert_eq!(subtiles_wanted(104, up_to + 1, false, Deep), 2);
+        assert_eq!(subtiles_wanted(96, up_to, false, Wide), 2);
     }
 
     #[test]
@@ -876,12 +879,12 @@ mod tests {
         let choose = |pairs, experts, gated, smem, forced| {
             GemmPath::choose(pairs, experts, gated, smem, forced)
         };
-        // Qwen3 (E 128, top-8, gated): decode below 7 tokens per expert (111 tokens = 888
-        // pairs), prefill from 896 pairs (112 tokens).
+        // Qwen3 (E 128, top-8, gated): decode below 7.25 tokens per expert (115 tokens = 920
+        // pairs), prefill from 928 pairs (116 tokens).
         assert_eq!(choose(8 * 8, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(104 * 8, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(895, 128, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(112 * 8, 128, true, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(112 * 8, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(927, 128, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(116 * 8, 128, true, h200, None), GemmPath::Prefill);
         // Nemotron-3 Nano (E 128, top-6, non-gated): decode below 5.75 tokens per expert (122
         // tokens = 732 pairs), prefill from 736 pairs (123 tokens).
         assert_eq!(choose(8 * 6, 128, false, h200, None), GemmPath::Decode);
@@ -892,13 +895,13 @@ mod tests {
         assert_eq!(choose(800, 128, false, h200, None), GemmPath::Prefill);
         assert_eq!(choose(800, 128, true, h200, None), GemmPath::Decode);
         // Other expert counts scale the same per-expert thresholds: 256 experts, gated, from
-        // 1792 pairs; non-gated from 1472; 8 experts, gated, from 56 pairs.
-        assert_eq!(choose(1791, 256, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(1792, 256, true, h200, None), GemmPath::Prefill);
+        // 1856 pairs; non-gated from 1472; 8 experts, gated, from 58 pairs.
+        assert_eq!(choose(1855, 256, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(1856, 256, true, h200, None), GemmPath::Prefill);
         assert_eq!(choose(1471, 256, false, h200, None), GemmPath::Decode);
         assert_eq!(choose(1472, 256, false, h200, None), GemmPath::Prefill);
-        assert_eq!(choose(55, 8, true, h200, None), GemmPath::Decode);
-        assert_eq!(choose(56, 8, true, h200, None), GemmPath::Prefill);
+        assert_eq!(choose(57, 8, true, h200, None), GemmPath::Decode);
+        assert_eq!(choose(58, 8, true, h200, None), GemmPath::Prefill);
         // A shared expert is one expert holding every token.
         assert_eq!(choose(2, 1, true, h200, None), GemmPath::Decode);
         assert_eq!(choose(3, 1, false, h200, None), GemmPath::Decode);
