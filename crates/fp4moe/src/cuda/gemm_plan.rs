@@ -73,7 +73,7 @@ impl GemmShape {
     ///   35.0);
     /// - routed NVFP4 experts: deep for both GEMMs of a gated layer from
     ///   [`DEEP_GATED_FROM_TOKENS`] tokens, of a non-gated one from
-    ///   [`DEEP_NONGATED_FROM_TOKENS`] (run 153), else wide. Run 138 (H200, µs per layer, wide /
+    ///   [`DEEP_NONGATED_FROM_TOKENS`] (runs 153, 177), else wide. Run 138 (H200, µs per layer, wide /
     ///   deep both / deep GEMM1 only / deep GEMM2 only; wide the mean of two rounds): Qwen3 4
     ///   tokens 57.0 / 53.3 / 54.4 / 55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.3 / 125.8 /
     ///   131.8 / 134.6, 64 154.4 / 144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block
@@ -165,10 +165,11 @@ pub const DEEP_GATED_FROM_TOKENS: usize = 4;
 /// µs, mean of two rounds, both GEMMs deep against the rule before it, GEMM2 deep from 8 and
 /// GEMM1 from 40): 4 tokens 60.1 / 57.6, 6 73.7 / 75.0, 8 84.3 / 87.8, 12 102.8 / 106.1, 16
 /// 127.8 / 128.9, 24 151.8 / 157.4, 32 163.2 / 170.3, 40 176.0 / 175.0; 2 tokens 53.6 / 41.4
-/// (less than a wave). Until session 35: GEMM2 from 8 (run 138, on the nibble-planar layout:
-/// GEMM1 deep 4-7 % slower at 8-12 tokens then) and GEMM1 from 40 (run 148: 2.4-2.6 % faster
-/// at 48-80 tokens).
-pub const DEEP_NONGATED_FROM_TOKENS: usize = 6;
+/// (less than a wave). Run 177 (three k groups in the deep and wide kernels; deep forced /
+/// default): 3 tokens 57.8 / 49.4, 4 55.5 / 55.1, **5 63.1 / 64.5** → from 5 (was 6). Until
+/// session 35: GEMM2 from 8 (run 138, on the nibble-planar layout: GEMM1 deep 4-7 % slower at
+/// 8-12 tokens then) and GEMM1 from 40 (run 148: 2.4-2.6 % faster at 48-80 tokens).
+pub const DEEP_NONGATED_FROM_TOKENS: usize = 5;
 
 /// Mean tokens per routed expert up to which a gated layer's deep decode GEMMs keep one token
 /// subtile (busier experts take several passes) instead of the wide kernels' two. Run 148 (H200,
@@ -176,12 +177,13 @@ pub const DEEP_NONGATED_FROM_TOKENS: usize = 6;
 /// 139.2 / 170.6 µs, 6 152.9 / 174.8, 8 178.8 / 179.0.
 pub const DEEP_GATED_ONE_SUBTILE_UP_TO: usize = 8;
 
-/// Mean tokens per routed expert, in quarters, up to which a non-gated layer's deep decode GEMMs
-/// keep one token subtile: 4.5. Run 176 (H200, Nemotron-3 Nano, µs, mean of two rounds, one
-/// subtile deep against two wide, both at three k groups in flight): 88 tokens (4.1 per expert)
-/// 231.3 / 237.7, 96 (4.5) 231.7 / 232.9, 104 (4.9) 263.6 / 254.7. Was 5 per expert (run 150,
-/// two k groups in the wide kernels: 104 tokens 270.1 / 275.8) and 4 until session 35.
-pub const DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS: usize = 18;
+/// Mean tokens per routed expert, in quarters (rounded up), up to which a non-gated layer's deep
+/// decode GEMMs keep one token subtile: 4.75. Runs 176–177 (H200, Nemotron-3 Nano, µs, mean of
+/// two rounds, one subtile deep against two wide, both at three k groups in flight): 88 tokens
+/// (4.1 per expert) 231.3 / 237.7, 96 (4.5) 231.7 / 232.9, 100 (4.7) 243.4 / 246.6, 104 (4.9)
+/// 263.6 / 254.7 and 250.2 / 248.2, 112 (5.25) 258.1 / 252.8. Was 5 per expert (run 150, two k
+/// groups in the wide kernels: 104 tokens 270.1 / 275.8) and 4 until session 35.
+pub const DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS: usize = 19;
 
 /// Token subtiles (8 tokens each) per pass of the mma decode GEMMs, from the mean tokens per
 /// expert under uniform routing in quarters (`per_expert_quarters`, rounded up): 1 for a batch
@@ -866,11 +868,12 @@ mod tests {
         assert_eq!(subtiles_wanted(200, up_to, true, Deep), 1);
         assert_eq!(subtiles_wanted(200, up_to + 1, true, Deep), 2);
         // A non-gated layer's up to DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS: Nemotron-3 Nano
-        // (E 128, top-6) keeps one at 96 tokens (18 quarters per expert), two at 104 (19.5).
+        // (E 128, top-6) keeps one at 100 tokens (18.75 quarters per expert, rounded up 19),
+        // two at 104 (19.5, rounded up 20).
         let up_to = DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS;
-        assert_eq!(subtiles_wanted(96, up_to, false, Deep), 1);
+        assert_eq!(subtiles_wanted(100, up_to, false, Deep), 1);
         assert_eq!(subtiles_wanted(104, up_to + 1, false, Deep), 2);
-        assert_eq!(subtiles_wanted(96, up_to, false, Wide), 2);
+        assert_eq!(subtiles_wanted(100, up_to, false, Wide), 2);
     }
 
     #[test]
