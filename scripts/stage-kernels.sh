@@ -6,8 +6,10 @@
 # on both machines while both have NVRTC 13.0 (the device's driver is CUDA 13.0). gpu-ab.sh copies
 # these into its caches; elsewhere: `cp -r .gpu/kc /tmp/kc; export FP4MOE_CACHE_DIR=/tmp/kc`.
 # STAGE_DEFINES="SET …" also compiles each binary's kernels under those FP4MOE_DEFINES sets
-# (joined by +, e.g. "DECODE_DEEP_DEPTH=4 DECODE_WIDE_DEPTH=3+X=1"); the cache key holds the
-# defines, so one directory serves gpu-ab.sh's `BIN@FP4MOE_DEFINES=…` variants too.
+# (joined by +, e.g. "DECODE_DEEP_DEPTH=4 DECODE_WIDE_DEPTH=3+X=1"); a file's cache key holds
+# the defines it names, so one directory serves gpu-ab.sh's `BIN@FP4MOE_DEFINES=…` variants
+# too, and they share the CUBINs of the files they do not touch. A set that fails (a spill, a
+# compile error) is reported and skipped.
 #   ../shared/tools/gpu-stage …; [scripts/stage-alt.sh REV …;] scripts/stage-kernels.sh
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
@@ -20,7 +22,8 @@ for bin in "$root"/.gpu/fp4moe "$root"/.gpu/alt-*/fp4moe; do
   kc=$(dirname "$bin")/kc
   rm -rf "$kc"
   for defs in "" ${STAGE_DEFINES:-}; do
-    LD_LIBRARY_PATH="$nv/lib" FP4MOE_CACHE_DIR="$kc" FP4MOE_DEFINES="$defs" "$bin" compile-kernels --arch sm_90a > /dev/null
+    LD_LIBRARY_PATH="$nv/lib" FP4MOE_CACHE_DIR="$kc" FP4MOE_DEFINES="$defs" "$bin" compile-kernels --arch sm_90a > /dev/null \
+      || { [ -n "$defs" ] && echo "warning: FP4MOE_DEFINES=$defs did not compile cleanly (skipped)"; } || exit 1
   done
   echo "staged $kc ($(du -sh "$kc" | cut -f1))"
 done

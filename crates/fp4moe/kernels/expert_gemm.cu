@@ -336,9 +336,10 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 // bf16 (shared expert) kernels need more room, and so does the narrow two-subtile shape (it
 // spilled under the cap; it runs only when forced).
 #define NARROW_ROOM(NSUB, RG) (NSUB == 2 && RG == 2)
-// k groups in flight per warp: three in the non-gated kernels, deep (KERNEL_NOTES run 173: their
-// last wave is a lone chain per warp; Nemotron 6-96 tokens 1.5-4.7 % faster), wide and narrow
-// (run 176: Nemotron 3-4 tokens -2.5 %, 112-120 tokens -1.7 to -2.1 %); two in the gated ones
+// k groups in flight per warp: three in the non-gated kernels (a gated layer's GEMM2 included),
+// deep (KERNEL_NOTES run 173: their last wave is a lone chain per warp; Nemotron 6-96 tokens
+// 1.5-4.7 % faster), wide and narrow (run 176: Nemotron 3-4 tokens -2.5 %, 112-120 tokens -1.7
+// to -2.1 %; Qwen3 2-3 tokens, whose GEMM2 runs them, level); two in the gated ones
 // (wide at three: Qwen3 2 tokens +1.9 %, run 176; deep: a third spills at three blocks per SM,
 // and two blocks with three groups made Qwen3 8-96 tokens 3-6 % slower, run 175). Defines, so
 // that FP4MOE_DEFINES variants time the alternatives.

@@ -248,7 +248,7 @@ pub fn nvrtc_version() -> Result<(i32, i32), String> {
 
 /// Extra kernel `#define`s for experiments, from `FP4MOE_DEFINES` (`NAME=VALUE` or `NAME`,
 /// separated by `+`, `,` or `;`): one binary times kernel variants (gpu-ab.sh's `BIN@FP4MOE_DEFINES=…`).
-/// They enter the cache key with the other options.
+/// They enter the cache key of every file they may change ([`key_options`]).
 fn extra_defines() -> Vec<String> {
     let Some(defs) = std::env::var("FP4MOE_DEFINES")
         .ok()
@@ -266,20 +266,22 @@ fn extra_defines() -> Vec<String> {
         .collect()
 }
 
-/// The options that enter a file's cache key: all but the `-D` defines its source and the
-/// kernel headers never name (so the variants of one `FP4MOE_DEFINES` experiment share the
-/// CUBINs of every file it does not touch). A define in the reserved `_` namespace is always
-/// kept: it may steer the CUDA headers.
+/// The options that enter a file's cache key: all but the `-D` defines that name a knob of
+/// another kernel file only (a name some kernel source spells, but neither this file nor the
+/// kernel headers), so the variants of one `FP4MOE_DEFINES` experiment share the CUBINs of every
+/// file they do not touch. A name no kernel source spells stays in every key: it may steer the
+/// CUDA headers (`CUDA_NO_BFLOAT16`) or another define's value.
 fn key_options<'a>(source: &str, opts: &'a [String]) -> Vec<&'a str> {
-    let named = |name: &str| {
-        name.starts_with('_')
-            || source.contains(name)
+    let kept = |name: &str| {
+        source.contains(name)
             || HEADERS.iter().any(|(_, text)| text.contains(name))
+            || !SOURCES.iter().any(|(_, text)| text.contains(name))
     };
     opts.iter()
         .map(String::as_str)
         .filter(|o| match o.strip_prefix("-D") {
-            Some(def) => named(def.split('=').next().unwrap_or(def)),
+            // `NAME`, `NAME=VALUE` or a function-like `NAME(ARGS)=VALUE`.
+            Some(def) => kept(def.split(['=', '(']).next().unwrap_or(def)),
             None => true,
         })
         .collect()
@@ -557,8 +559,9 @@ mod tests {
         let opts: Vec<String> = [
             "--gpu-architecture=sm_90a",
             "-DDECODE_DEEP_DEPTH=4",
-            "-DPF_MMA_STEPS=2",
-            "-D__CUDA_NO_HALF_OPERATORS__",
+            "-DPF_EARLY_WEIGHTS=0",
+            "-DACTIVE_BY_COUNT(x)=x",
+            "-DCUDA_NO_BFLOAT16",
             "-DNVFP4_DEQ_UNSCALE",
         ]
         .map(String::from)
@@ -574,18 +577,26 @@ mod tests {
         let (Some(gemm), Some(combine)) = (gemm, combine) else {
             panic!("expert_gemm.cu and combine.cu are kernel sources");
         };
-        // expert_gemm.cu names DECODE_DEEP_DEPTH, no file names PF_MMA_STEPS; a header macro
-        // (gemm_common.cuh) and the reserved namespace stay in every key.
-        let both = [
+        // Only expert_gemm.cu names DECODE_DEEP_DEPTH, only prefill_gemm.cu PF_EARLY_WEIGHTS;
+        // ACTIVE_BY_COUNT (function-like here) is a macro of a header, as NVFP4_DEQ_UNSCALE
+        // (gemm_common.cuh); no kernel file names CUDA_NO_BFLOAT16 (the CUDA headers do).
+        let every = [
             "--gpu-architecture=sm_90a",
-            "-D__CUDA_NO_HALF_OPERATORS__",
+            "-DACTIVE_BY_COUNT(x)=x",
+            "-DCUDA_NO_BFLOAT16",
             "-DNVFP4_DEQ_UNSCALE",
         ];
         assert_eq!(
             key_options(gemm, &opts),
-            [&both[..1], &["-DDECODE_DEEP_DEPTH=4"], &both[1..]].concat()
+            [&every[..1], &["-DDECODE_DEEP_DEPTH=4"], &every[1..]].concat()
         );
-        assert_eq!(key_options(combine, &opts), both);
+        assert_eq!(key_options(combine, &opts), every);
+        let prefill = SOURCES.iter().find(|(f, _)| *f == "prefill_gemm.cu");
+        let prefill = prefill
+            .map(|(_, s)| key_options(s, &opts))
+            .unwrap_or_default();
+        assert!(prefill.contains(&"-DPF_EARLY_WEIGHTS=0"), "{prefill:?}");
+        assert!(!prefill.contains(&"-DDECODE_DEEP_DEPTH=4"), "{prefill:?}");
     }
 
     #[test]

@@ -12,13 +12,11 @@ impl CudaLayer {
     /// bounds it).
     fn nsub(&self, tokens: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
-        let per_expert_quarters = (4 * tokens * self.spec.routing.top_k)
-            .div_ceil(self.spec.shape.experts)
-            .max(1);
+        let quarters =
+            per_expert_quarters(tokens, self.spec.routing.top_k, self.spec.shape.experts);
         let forced = tuning_choice(&KNOB, "FP4MOE_DECODE_NSUB", &[("1", 1), ("2", 2), ("4", 4)]);
         let gated_layer = self.spec.activation.is_gated();
-        let want = forced
-            .unwrap_or_else(|| subtiles_wanted(tokens, per_expert_quarters, gated_layer, shape));
+        let want = forced.unwrap_or_else(|| subtiles_wanted(tokens, quarters, gated_layer, shape));
         [4, 2, 1]
             .into_iter()
             .filter(|&n| n <= want)

@@ -186,13 +186,20 @@ pub const DEEP_GATED_ONE_SUBTILE_UP_TO: usize = 8;
 pub const DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS: usize = 19;
 
 /// Token subtiles (8 tokens each) per pass of the mma decode GEMMs, from the mean tokens per
-/// expert under uniform routing in quarters (`per_expert_quarters`, rounded up): 1 for a batch
-/// of at most 8 tokens or up to 4 per expert (on the deep shape, which exists for one subtile,
-/// up to [`DEEP_GATED_ONE_SUBTILE_UP_TO`] for both GEMMs of a gated layer (`gated`),
-/// [`DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS`] for a non-gated one), 2 up to 12, else 4. Busier
+/// expert under uniform routing in quarters (`per_expert_quarters`, rounded up:
+/// [`per_expert_quarters`]): 1 for a batch of at most 8 tokens or up to 4 tokens per expert (on
+/// the deep shape, which exists for one subtile, up to [`DEEP_GATED_ONE_SUBTILE_UP_TO`] tokens
+/// for both GEMMs of a gated layer (`gated`), [`DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS`]
+/// quarters for a non-gated one), 2 up to 12 tokens, else 4. Busier
 /// experts take several passes (their weights come from L2 the second time; the grouping
 /// dispatches them first, `sort_pairs.cuh`); larger tiles cost more than that in occupancy
 /// (measured: docs/KERNEL_NOTES.md).
+/// Mean routed tokens per expert in quarters, rounded up, at least 1: `⌈4·tokens·top_k /
+/// experts⌉` (a rule "at most N per expert" reads `≤ 4N` here, the same batches).
+pub(super) fn per_expert_quarters(tokens: usize, top_k: usize, experts: usize) -> usize {
+    (4 * tokens * top_k).div_ceil(experts.max(1)).max(1)
+}
+
 pub(super) fn subtiles_wanted(
     tokens: usize,
     per_expert_quarters: usize,
@@ -652,8 +659,8 @@ pub enum DecodeKernel {
     /// `expert_stream.cu`: each block copies its weight rows, whole K, into shared memory at
     /// once (one DRAM wait per block), then runs split-K mma.sync over 8 warps.
     Stream,
-    /// `expert_gemm.cu`: weights through registers two k groups ahead, split-K mma.sync over
-    /// 16 warps, one to four 8-token subtiles per pass.
+    /// `expert_gemm.cu`: weights through registers two or three k groups ahead, split-K
+    /// mma.sync over 16 warps (8 in the deep shape), one to four 8-token subtiles per pass.
     Mma,
 }
 
@@ -870,10 +877,18 @@ mod tests {
         // A non-gated layer's up to DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS: Nemotron-3 Nano
         // (E 128, top-6) keeps one at 100 tokens (18.75 quarters per expert, rounded up 19),
         // two at 104 (19.5, rounded up 20).
-        let up_to = DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS;
-        assert_eq!(subtiles_wanted(100, up_to, false, Deep), 1);
-        assert_eq!(subtiles_wanted(104, up_to + 1, false, Deep), 2);
-        assert_eq!(subtiles_wanted(100, up_to, false, Wide), 2);
+        let nemotron = |t| per_expert_quarters(t, 6, 128);
+        assert_eq!((nemotron(100), nemotron(104)), (19, 20));
+        assert_eq!(subtiles_wanted(100, nemotron(100), false, Deep), 1);
+        assert_eq!(subtiles_wanted(104, nemotron(104), false, Deep), 2);
+        assert_eq!(subtiles_wanted(100, nemotron(100), false, Wide), 2);
+        // The integer rules read the same in quarters: at most 4 per expert (Qwen3-30B-A3B, E
+        // 128, top-8: 64 tokens, 16 quarters) one wide subtile, 65 tokens (16.25) two.
+        let qwen3 = |t| per_expert_quarters(t, 8, 128);
+        assert_eq!((qwen3(64), qwen3(65), qwen3(1)), (16, 17, 1));
+        assert_eq!(subtiles_wanted(64, qwen3(64), true, Wide), 1);
+        assert_eq!(subtiles_wanted(65, qwen3(65), true, Wide), 2);
+        assert_eq!(per_expert_quarters(0, 8, 128), 1);
     }
 
     #[test]
