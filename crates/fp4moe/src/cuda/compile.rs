@@ -566,17 +566,7 @@ mod tests {
         ]
         .map(String::from)
         .to_vec();
-        let gemm = SOURCES
-            .iter()
-            .find(|(f, _)| *f == "expert_gemm.cu")
-            .map(|(_, s)| *s);
-        let combine = SOURCES
-            .iter()
-            .find(|(f, _)| *f == "combine.cu")
-            .map(|(_, s)| *s);
-        let (Some(gemm), Some(combine)) = (gemm, combine) else {
-            panic!("expert_gemm.cu and combine.cu are kernel sources");
-        };
+        let (gemm, combine) = (kernel_text("expert_gemm.cu"), kernel_text("combine.cu"));
         // Only expert_gemm.cu names DECODE_DEEP_DEPTH, only prefill_gemm.cu PF_EARLY_WEIGHTS;
         // ACTIVE_BY_COUNT (function-like here) is a macro of a header, as NVFP4_DEQ_UNSCALE
         // (gemm_common.cuh); no kernel file names CUDA_NO_BFLOAT16 (the CUDA headers do).
@@ -591,10 +581,7 @@ mod tests {
             [&every[..1], &["-DDECODE_DEEP_DEPTH=4"], &every[1..]].concat()
         );
         assert_eq!(key_options(combine, &opts), every);
-        let prefill = SOURCES.iter().find(|(f, _)| *f == "prefill_gemm.cu");
-        let prefill = prefill
-            .map(|(_, s)| key_options(s, &opts))
-            .unwrap_or_default();
+        let prefill = key_options(kernel_text("prefill_gemm.cu"), &opts);
         assert!(prefill.contains(&"-DPF_EARLY_WEIGHTS=0"), "{prefill:?}");
         assert!(!prefill.contains(&"-DDECODE_DEEP_DEPTH=4"), "{prefill:?}");
     }

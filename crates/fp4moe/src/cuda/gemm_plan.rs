@@ -185,8 +185,14 @@ pub const DEEP_GATED_ONE_SUBTILE_UP_TO: usize = 8;
 /// groups in the wide kernels: 104 tokens 270.1 / 275.8) and 4 until session 35.
 pub const DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS: usize = 19;
 
+/// Mean routed tokens per expert in quarters, rounded up, at least 1: `⌈4·tokens·top_k /
+/// experts⌉` (a rule "at most N per expert" reads `≤ 4N` here, the same batches).
+pub(super) fn per_expert_quarters(tokens: usize, top_k: usize, experts: usize) -> usize {
+    (4 * tokens * top_k).div_ceil(experts.max(1)).max(1)
+}
+
 /// Token subtiles (8 tokens each) per pass of the mma decode GEMMs, from the mean tokens per
-/// expert under uniform routing in quarters (`per_expert_quarters`, rounded up:
+/// expert under uniform routing in quarters (`per_expert_quarters`, from
 /// [`per_expert_quarters`]): 1 for a batch of at most 8 tokens or up to 4 tokens per expert (on
 /// the deep shape, which exists for one subtile, up to [`DEEP_GATED_ONE_SUBTILE_UP_TO`] tokens
 /// for both GEMMs of a gated layer (`gated`), [`DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS`]
@@ -194,12 +200,6 @@ pub const DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS: usize = 19;
 /// experts take several passes (their weights come from L2 the second time; the grouping
 /// dispatches them first, `sort_pairs.cuh`); larger tiles cost more than that in occupancy
 /// (measured: docs/KERNEL_NOTES.md).
-/// Mean routed tokens per expert in quarters, rounded up, at least 1: `⌈4·tokens·top_k /
-/// experts⌉` (a rule "at most N per expert" reads `≤ 4N` here, the same batches).
-pub(super) fn per_expert_quarters(tokens: usize, top_k: usize, experts: usize) -> usize {
-    (4 * tokens * top_k).div_ceil(experts.max(1)).max(1)
-}
-
 pub(super) fn subtiles_wanted(
     tokens: usize,
     per_expert_quarters: usize,
