@@ -336,6 +336,9 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 // bf16 (shared expert) kernels need more room, and so does the narrow two-subtile shape (it
 // spilled under the cap; it runs only when forced).
 #define NARROW_ROOM(NSUB, RG) (NSUB == 2 && RG == 2)
+// The half shape (one subtile, 8 warps: 4 row groups x the wide shape's 2 K slices, so the wide
+// shape's bits) takes the deep shape's register budget: three gated blocks per SM.
+#define HALF_SHAPE(NSUB, NW) (NSUB == 1 && NW == 8)
 // k groups in flight per warp: three in the non-gated kernels (a gated layer's GEMM2 included),
 // deep (KERNEL_NOTES run 173: their last wave is a lone chain per warp; Nemotron 6-96 tokens
 // 1.5-4.7 % faster), wide and narrow (run 176: Nemotron 3-4 tokens -2.5 %, 112-120 tokens -1.7
@@ -356,7 +359,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     (VS == 2 ? (GATED ? 2 : DECODE_DEEP_DEPTH) : (GATED ? DECODE_GATED_WIDE_DEPTH : DECODE_WIDE_DEPTH))
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG)                                  \
     extern "C" __global__ void __launch_bounds__(                                                        \
-        NW * 32, VS == 2 ? (KIND == 1 ? 2 : GATED ? 3 : 4)                                             \
+        NW * 32, (VS == 2 || HALF_SHAPE(NSUB, NW)) ? (KIND == 1 ? 2 : GATED ? 3 : 4)                   \
                          : ((GATED || NSUB == 4 || KIND == 1 || NARROW_ROOM(NSUB, RG)) ? 1 : 2))        \
         NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                     \
         gemm_enter<STAGE>(p);                                                                             \
@@ -373,6 +376,9 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 8, 8, 2, deep)
 
 INSTANTIATE(gemm1_nvfp4_gated, 0, 1, true)
+// Gated GEMM1 where the wide grid is about one wave of one block per SM (Qwen3 at 3 tokens: ~23
+// experts x 6 blocks on 132 SMs): the same K split in blocks half the size, three per SM.
+INSTANTIATE_ONE(gemm1_nvfp4_gated, 0, 1, true, 1, 4, 8, 1, half)
 INSTANTIATE(gemm1_nvfp4_plain, 0, 1, false)
 INSTANTIATE(gemm2_nvfp4, 0, 2, false)
 INSTANTIATE(gemm1_bf16_gated, 1, 1, true)

@@ -164,6 +164,7 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             }
             names.push(format!("{base}_deep_n1"));
         }
+        names.push("gemm1_nvfp4_gated_half_n1".into());
     }
     if file == "expert_stream.cu" {
         for base in ["stream_gemm1_gated", "stream_gemm1_plain", "stream_gemm2"] {
@@ -524,7 +525,7 @@ mod tests {
             let names = kernel_names(file);
             assert!(!names.is_empty(), "{file}");
             for n in &names {
-                let base = ["_narrow", "_wide", "_deep", "_r"]
+                let base = ["_narrow", "_wide", "_deep", "_half", "_r"]
                     .iter()
                     .fold(n.as_str(), |b, cut| b.split(cut).next().unwrap_or(b));
                 assert!(src.contains(base), "{file} lacks {n}");
@@ -551,7 +552,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(kernel_names("expert_gemm.cu").len(), 42);
+        assert_eq!(kernel_names("expert_gemm.cu").len(), 43);
     }
 
     #[test]

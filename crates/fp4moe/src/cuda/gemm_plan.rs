@@ -30,19 +30,26 @@ pub enum GemmShape {
     /// Each warp's chain is twice the wide one's, so it loses where the grid is about one wave
     /// (the default rule: [`DEEP_GATED_FROM_TOKENS`], [`DEEP_NONGATED_FROM_TOKENS`]).
     Deep,
+    /// One token subtile only, a gated layer's NVFP4 GEMM1 only (else wide): 4 row groups x
+    /// the wide shape's 2 K slices (the same bits) in 8-warp blocks, three per SM, so a grid of
+    /// about one wave of wide blocks (one per SM: Qwen3-30B-A3B at 3 tokens, ~23 experts x 6
+    /// blocks on 132 SMs) runs as one wave without the deep shape's doubled chains. Not in the
+    /// default rule: `FP4MOE_GEMM_SHAPE=half` or [`super::CudaLayer::set_gemm_shape`] (not yet
+    /// measured; KERNEL_NOTES step 16(a)).
+    Half,
 }
 
 impl GemmShape {
-    /// The shape that runs `nsub` subtiles: the deep shape exists for one subtile only.
+    /// The shape that runs `nsub` subtiles: the deep and half shapes exist for one subtile only.
     pub(super) fn resolve(self, nsub: usize) -> Self {
         match self {
-            GemmShape::Deep if nsub != 1 => GemmShape::Wide,
+            GemmShape::Deep | GemmShape::Half if nsub != 1 => GemmShape::Wide,
             shape => shape,
         }
     }
     /// Warps per block: 16, or 8 for the 32-token variants (register budget) and the deep shape.
     pub(super) fn warps(self, nsub: usize) -> usize {
-        if nsub == 4 || self.resolve(nsub) == GemmShape::Deep {
+        if nsub == 4 || matches!(self.resolve(nsub), GemmShape::Deep | GemmShape::Half) {
             8
         } else {
             16
@@ -55,6 +62,7 @@ impl GemmShape {
             (GemmShape::Narrow, true) => 1,
             (GemmShape::Wide | GemmShape::Deep, false) => 8,
             (GemmShape::Wide | GemmShape::Deep, true) => 4,
+            (GemmShape::Half, _) => 4,
         }
     }
     pub(super) fn name(self, nsub: usize) -> &'static str {
@@ -62,6 +70,7 @@ impl GemmShape {
             GemmShape::Narrow => "narrow",
             GemmShape::Wide => "wide",
             GemmShape::Deep => "deep",
+            GemmShape::Half => "half",
         }
     }
     /// The shape of an NVFP4 (`nvfp4`) or bf16 GEMM1 (`gemm1`) or GEMM2 of a gated or
@@ -88,9 +97,9 @@ impl GemmShape {
     ///
     /// The deep shape exists for one token subtile and falls back to wide for more; it gives
     /// the wide shape's bits, so this choice never changes results. `FP4MOE_GEMM_SHAPE=narrow|
-    /// wide|deep|deep1|deep2` overrides it for every launch, one expert and bf16 weights
+    /// wide|deep|deep1|deep2|half` overrides it for every launch, one expert and bf16 weights
     /// included (a tuning knob for benchmarks; deep1 / deep2: the deep shape for GEMM1 / GEMM2
-    /// only).
+    /// only; half: [`GemmShape::Half`] where it exists, else wide).
     pub(super) fn chosen(
         tokens: usize,
         slots: usize,
@@ -100,8 +109,18 @@ impl GemmShape {
         nvfp4: bool,
     ) -> Self {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        // The half shape has a kernel for a gated layer's NVFP4 GEMM1 only.
+        let half = if gemm1 && gated && nvfp4 {
+            GemmShape::Half
+        } else {
+            GemmShape::Wide
+        };
         if let Some(shape) = forced {
-            return shape;
+            return if shape == GemmShape::Half {
+                half
+            } else {
+                shape
+            };
         }
         let deep_if = |yes: bool| {
             if yes {
@@ -116,6 +135,7 @@ impl GemmShape {
             Some("deep") => GemmShape::Deep,
             Some("deep1") => deep_if(gemm1),
             Some("deep2") => deep_if(!gemm1),
+            Some("half") => half,
             _ if slots <= 1 => {
                 if tokens <= 2 {
                     GemmShape::Narrow
@@ -843,6 +863,31 @@ mod tests {
         );
         // The deep shape runs one subtile on 8 warps of one K slice each; more subtiles fall
         // back to the wide kernels.
+        assert_eq!(GemmShape::Half.name(1), "half");
+        assert_eq!((GemmShape::Half.warps(1), GemmShape::Half.rgpb(1)), (8, 4));
+        assert_eq!(GemmShape::Half.name(2), "wide");
+        // The half shape's K split is the wide one's (2 slices); its reduction buffer holds
+        // one slice of 4 row groups.
+        assert_eq!(gemm_smem(1, 2048, true, GemmShape::Half), 8 * 2056 * 2);
+        assert_eq!(gemm_smem(1, 64, true, GemmShape::Half), 4 * 32 * 8 * 4);
+        // Forced half runs only for a gated layer's NVFP4 GEMM1.
+        let half = Some(GemmShape::Half);
+        assert_eq!(
+            GemmShape::chosen(3, 23, half, true, true, true),
+            GemmShape::Half
+        );
+        assert_eq!(
+            GemmShape::chosen(3, 23, half, false, true, true),
+            GemmShape::Wide
+        );
+        assert_eq!(
+            GemmShape::chosen(3, 23, half, true, false, true),
+            GemmShape::Wide
+        );
+        assert_eq!(
+            GemmShape::chosen(3, 23, half, true, true, false),
+            GemmShape::Wide
+        );
         assert_eq!(GemmShape::Deep.name(1), "deep");
         assert_eq!((GemmShape::Deep.warps(1), GemmShape::Deep.rgpb(1)), (8, 8));
         assert_eq!(GemmShape::Deep.name(2), "wide");
