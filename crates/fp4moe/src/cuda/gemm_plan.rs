@@ -33,9 +33,8 @@ pub enum GemmShape {
     /// One token subtile only, a gated layer's NVFP4 GEMM1 only (else wide): 4 row groups x
     /// the wide shape's 2 K slices (the same bits) in 8-warp blocks, three per SM, so a grid of
     /// about one wave of wide blocks (one per SM: Qwen3-30B-A3B at 3 tokens, ~23 experts x 6
-    /// blocks on 132 SMs) runs as one wave without the deep shape's doubled chains. Not in the
-    /// default rule: `FP4MOE_GEMM_SHAPE=half` or [`super::CudaLayer::set_gemm_shape`] (not yet
-    /// measured; KERNEL_NOTES step 16(a)).
+    /// blocks on 132 SMs) runs in finer blocks without the deep shape's doubled chains (the
+    /// default rule: [`HALF_GATED_FROM_TOKENS`]).
     Half,
 }
 
@@ -96,10 +95,11 @@ impl GemmShape {
     ///   wide.
     ///
     /// The deep shape exists for one token subtile and falls back to wide for more; it gives
-    /// the wide shape's bits, so this choice never changes results. `FP4MOE_GEMM_SHAPE=narrow|
-    /// wide|deep|deep1|deep2|half` overrides it for every launch, one expert and bf16 weights
-    /// included (a tuning knob for benchmarks; deep1 / deep2: the deep shape for GEMM1 / GEMM2
-    /// only; half: [`GemmShape::Half`] where it exists, else wide).
+    /// the wide shape's bits, so this choice never changes results. `FP4MOE_GEMM_SHAPE=SHAPE`
+    /// or `GEMM1:GEMM2` (each `narrow|wide|deep|half|auto`, `auto` the rule below) overrides
+    /// it for every launch of that GEMM, one expert and bf16 weights included (a tuning knob
+    /// for benchmarks; `deep1` / `deep2` read `deep:wide` / `wide:deep`). A forced half shape
+    /// runs where it exists ([`GemmShape::Half`]), else wide.
     pub(super) fn chosen(
         tokens: usize,
         slots: usize,
@@ -109,50 +109,59 @@ impl GemmShape {
         nvfp4: bool,
     ) -> Self {
         static KNOB: OnceLock<Option<String>> = OnceLock::new();
+        let knob = tuning_knob(&KNOB, "FP4MOE_GEMM_SHAPE").and_then(|v| knob_shape(v, gemm1));
+        let shape = match (forced, knob) {
+            (Some(shape), _) | (None, Some(Some(shape))) => shape,
+            _ => Self::rule(tokens, slots, gemm1, gated, nvfp4),
+        };
         // The half shape has a kernel for a gated layer's NVFP4 GEMM1 only.
-        let half = if gemm1 && gated && nvfp4 {
+        if shape == GemmShape::Half && !(gemm1 && gated && nvfp4) {
+            GemmShape::Wide
+        } else {
+            shape
+        }
+    }
+
+    /// The default rule of [`GemmShape::chosen`].
+    fn rule(tokens: usize, slots: usize, gemm1: bool, gated: bool, nvfp4: bool) -> Self {
+        if slots <= 1 {
+            return if tokens <= 2 {
+                GemmShape::Narrow
+            } else {
+                GemmShape::Wide
+            };
+        }
+        let deep_from = if gated {
+            DEEP_GATED_FROM_TOKENS
+        } else {
+            DEEP_NONGATED_FROM_TOKENS
+        };
+        if nvfp4 && tokens >= deep_from {
+            GemmShape::Deep
+        } else if nvfp4 && gated && gemm1 && tokens >= HALF_GATED_FROM_TOKENS {
             GemmShape::Half
         } else {
             GemmShape::Wide
-        };
-        if let Some(shape) = forced {
-            return if shape == GemmShape::Half {
-                half
-            } else {
-                shape
-            };
         }
-        let deep_if = |yes: bool| {
-            if yes {
-                GemmShape::Deep
-            } else {
-                GemmShape::Wide
-            }
-        };
-        match tuning_knob(&KNOB, "FP4MOE_GEMM_SHAPE") {
-            Some("narrow") => GemmShape::Narrow,
-            Some("wide") => GemmShape::Wide,
-            Some("deep") => GemmShape::Deep,
-            Some("deep1") => deep_if(gemm1),
-            Some("deep2") => deep_if(!gemm1),
-            Some("half") => half,
-            _ if slots <= 1 => {
-                if tokens <= 2 {
-                    GemmShape::Narrow
-                } else {
-                    GemmShape::Wide
-                }
-            }
-            _ => deep_if(
-                nvfp4
-                    && tokens
-                        >= if gated {
-                            DEEP_GATED_FROM_TOKENS
-                        } else {
-                            DEEP_NONGATED_FROM_TOKENS
-                        },
-            ),
-        }
+    }
+}
+
+/// `FP4MOE_GEMM_SHAPE`'s shape for GEMM1 (`gemm1`) or GEMM2: `Some(None)` for `auto` (the
+/// rule), `None` for a value it does not name.
+fn knob_shape(value: &str, gemm1: bool) -> Option<Option<GemmShape>> {
+    let value = match value {
+        "deep1" => "deep:wide",
+        "deep2" => "wide:deep",
+        v => v,
+    };
+    let (one, two) = value.split_once(':').unwrap_or((value, value));
+    match if gemm1 { one } else { two } {
+        "narrow" => Some(Some(GemmShape::Narrow)),
+        "wide" => Some(Some(GemmShape::Wide)),
+        "deep" => Some(Some(GemmShape::Deep)),
+        "half" => Some(Some(GemmShape::Half)),
+        "auto" => Some(None),
+        _ => None,
     }
 }
 
@@ -174,6 +183,13 @@ pub(super) fn handoff_by_default(
     let prefill_tiles = path == GemmPath::Prefill && nvfp4;
     !prefill_tiles || pairs < PREFILL_HANDOFF_BELOW * experts
 }
+
+/// Routed NVFP4 experts of a gated layer: GEMM1 takes the half shape from this many tokens
+/// until [`DEEP_GATED_FROM_TOKENS`] (GEMM2 stays wide). Run 178 (H200, Qwen3-30B-A3B, µs, mean
+/// of two rounds, GEMM1 half / wide, GEMM2 wide): 2 tokens 37.9 / 35.4, 3 42.8 / 45.7 (`--stages`
+/// at 3: GEMM1 18.4 against 25.2, GEMM2 10.1 against 6.3: the wide GEMM1's ~137 one-per-SM
+/// blocks run a second wave on 132 SMs).
+pub const HALF_GATED_FROM_TOKENS: usize = 3;
 
 /// Routed NVFP4 experts of a gated layer: both decode GEMMs take the deep shape from this many
 /// tokens (run 138: 4.8-11 % faster at 4-64 tokens on Qwen3-30B-A3B; run 137: 19 % slower at 2).
@@ -836,11 +852,17 @@ mod tests {
             assert_eq!(shape(3, 1, g1, gated, fp4), Wide);
             assert_eq!(shape(100, 1, g1, gated, fp4), Wide);
         }
-        // Gated routed NVFP4 experts: both GEMMs deep from DEEP_GATED_FROM_TOKENS.
-        let from = DEEP_GATED_FROM_TOKENS;
+        // Gated routed NVFP4 experts: both GEMMs deep from DEEP_GATED_FROM_TOKENS; below it,
+        // GEMM1 half from HALF_GATED_FROM_TOKENS.
+        let (half, from) = (HALF_GATED_FROM_TOKENS, DEEP_GATED_FROM_TOKENS);
+        assert!(half < from);
         for g1 in [true, false] {
             assert_eq!(shape(1, 8, g1, true, true), Wide);
-            assert_eq!(shape(from - 1, 8 * (from - 1), g1, true, true), Wide);
+            assert_eq!(shape(half - 1, 8 * (half - 1), g1, true, true), Wide);
+            let below = if g1 { GemmShape::Half } else { Wide };
+            assert_eq!(shape(half, 8 * half, g1, true, true), below);
+            assert_eq!(shape(from - 1, 8 * (from - 1), g1, true, true), below);
+            assert_eq!(shape(half, 8 * half, g1, true, false), Wide);
             assert_eq!(shape(from, 8 * from, g1, true, true), Deep);
             assert_eq!(shape(64, 128, g1, true, true), Deep);
             // bf16 routed experts: not measured deep.
@@ -888,6 +910,18 @@ mod tests {
             GemmShape::chosen(3, 23, half, true, true, false),
             GemmShape::Wide
         );
+        // The knob: one shape for both GEMMs, or GEMM1:GEMM2 with `auto` for the rule.
+        assert_eq!(knob_shape("deep", true), Some(Some(Deep)));
+        assert_eq!(knob_shape("deep", false), Some(Some(Deep)));
+        assert_eq!(knob_shape("half:auto", true), Some(Some(GemmShape::Half)));
+        assert_eq!(knob_shape("half:auto", false), Some(None));
+        assert_eq!(knob_shape("deep1", true), Some(Some(Deep)));
+        assert_eq!(knob_shape("deep1", false), Some(Some(Wide)));
+        assert_eq!(knob_shape("deep2", true), Some(Some(Wide)));
+        assert_eq!(knob_shape("deep2", false), Some(Some(Deep)));
+        assert_eq!(knob_shape("Deep", true), None);
+        assert_eq!(knob_shape("wide:bogus", false), None);
+        assert_eq!(knob_shape("wide:bogus", true), Some(Some(Wide)));
         assert_eq!(GemmShape::Deep.name(1), "deep");
         assert_eq!((GemmShape::Deep.warps(1), GemmShape::Deep.rgpb(1)), (8, 8));
         assert_eq!(GemmShape::Deep.name(2), "wide");
