@@ -337,7 +337,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 // spilled under the cap; it runs only when forced).
 #define NARROW_ROOM(NSUB, RG) (NSUB == 2 && RG == 2)
 // The half shape (one subtile, 8 warps: 4 row groups x the wide shape's 2 K slices, so the wide
-// shape's bits) takes the deep shape's register budget: three gated blocks per SM.
+// shape's bits) takes the deep shape's register budget: three gated blocks per SM, four others.
 #define HALF_SHAPE(NSUB, NW) (NSUB == 1 && NW == 8)
 // k groups in flight per warp: three in the non-gated kernels (a gated layer's GEMM2 included),
 // deep (KERNEL_NOTES run 173: their last wave is a lone chain per warp; Nemotron 6-96 tokens
@@ -376,11 +376,13 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 8, 8, 2, deep)
 
 INSTANTIATE(gemm1_nvfp4_gated, 0, 1, true)
-// Gated GEMM1 where the wide grid is about one wave of one block per SM (Qwen3 at 3 tokens: ~23
-// experts x 6 blocks on 132 SMs): the same K split in blocks half the size, three per SM.
-INSTANTIATE_ONE(gemm1_nvfp4_gated, 0, 1, true, 1, 4, 8, 1, half)
 INSTANTIATE(gemm1_nvfp4_plain, 0, 1, false)
 INSTANTIATE(gemm2_nvfp4, 0, 2, false)
+// NVFP4 GEMMs where the wide grid is about one wave (Qwen3 at 3 tokens, gated GEMM1: ~23 experts
+// x 6 blocks on 132 SMs of one block each): the same K split in blocks half the size.
+INSTANTIATE_ONE(gemm1_nvfp4_gated, 0, 1, true, 1, 4, 8, 1, half)
+INSTANTIATE_ONE(gemm1_nvfp4_plain, 0, 1, false, 1, 4, 8, 1, half)
+INSTANTIATE_ONE(gemm2_nvfp4, 0, 2, false, 1, 4, 8, 1, half)
 INSTANTIATE(gemm1_bf16_gated, 1, 1, true)
 INSTANTIATE(gemm1_bf16_plain, 1, 1, false)
 INSTANTIATE(gemm2_bf16, 1, 2, false)

@@ -949,8 +949,8 @@ fn assert_shapes_agree(
 /// separate sums) gives the wide shape's bits: 42 and 29 k groups (slices of 21 and 15, odd, so
 /// the second slice starts in the other register buffer), 3 and 1, 2 and 3; both GEMMs, gated
 /// and not, W4A16 and W4A4; 16 tokens over 16 experts, top-4 (some experts take two passes).
-/// So does the half shape (a gated layer's GEMM1 in 8-warp blocks of 4 row groups; elsewhere
-/// it is the wide shape).
+/// So does the half shape (8-warp blocks of 4 row groups; NVFP4 weights only, else the wide
+/// shape).
 #[test]
 fn deep_decode_shape_matches_wide_bitwise() {
     if !common::gpu_available() {

@@ -30,11 +30,11 @@ pub enum GemmShape {
     /// Each warp's chain is twice the wide one's, so it loses where the grid is about one wave
     /// (the default rule: [`DEEP_GATED_FROM_TOKENS`], [`DEEP_NONGATED_FROM_TOKENS`]).
     Deep,
-    /// One token subtile only, a gated layer's NVFP4 GEMM1 only (else wide): 4 row groups x
-    /// the wide shape's 2 K slices (the same bits) in 8-warp blocks, three per SM, so a grid of
-    /// about one wave of wide blocks (one per SM: Qwen3-30B-A3B at 3 tokens, ~23 experts x 6
-    /// blocks on 132 SMs) runs in finer blocks without the deep shape's doubled chains (the
-    /// default rule: [`HALF_GATED_FROM_TOKENS`]).
+    /// One token subtile and NVFP4 weights only (else wide): 4 row groups x the wide shape's 2
+    /// K slices (the same bits) in 8-warp blocks, three per SM (gated) or four, so a grid of
+    /// about one wave of wide blocks (a gated layer's GEMM1 holds one per SM: Qwen3-30B-A3B at
+    /// 3 tokens, ~23 experts x 6 blocks on 132 SMs) runs in finer blocks without the deep
+    /// shape's doubled chains (the default rule: [`HALF_GATED_FROM_TOKENS`]).
     Half,
 }
 
@@ -99,7 +99,7 @@ impl GemmShape {
     /// or `GEMM1:GEMM2` (each `narrow|wide|deep|half|auto`, `auto` the rule below) overrides
     /// it for every launch of that GEMM, one expert and bf16 weights included (a tuning knob
     /// for benchmarks; `deep1` / `deep2` read `deep:wide` / `wide:deep`). A forced half shape
-    /// runs where it exists ([`GemmShape::Half`]), else wide.
+    /// runs on NVFP4 weights ([`GemmShape::Half`]), else wide.
     pub(super) fn chosen(
         tokens: usize,
         slots: usize,
@@ -114,8 +114,8 @@ impl GemmShape {
             (Some(shape), _) | (None, Some(Some(shape))) => shape,
             _ => Self::rule(tokens, slots, gemm1, gated, nvfp4),
         };
-        // The half shape has a kernel for a gated layer's NVFP4 GEMM1 only.
-        if shape == GemmShape::Half && !(gemm1 && gated && nvfp4) {
+        // The half shape has kernels for NVFP4 weights only.
+        if shape == GemmShape::Half && !nvfp4 {
             GemmShape::Wide
         } else {
             shape
@@ -892,20 +892,14 @@ mod tests {
         // one slice of 4 row groups.
         assert_eq!(gemm_smem(1, 2048, true, GemmShape::Half), 8 * 2056 * 2);
         assert_eq!(gemm_smem(1, 64, true, GemmShape::Half), 4 * 32 * 8 * 4);
-        // Forced half runs only for a gated layer's NVFP4 GEMM1.
+        // Forced half runs on NVFP4 weights only.
         let half = Some(GemmShape::Half);
-        assert_eq!(
-            GemmShape::chosen(3, 23, half, true, true, true),
-            GemmShape::Half
-        );
-        assert_eq!(
-            GemmShape::chosen(3, 23, half, false, true, true),
-            GemmShape::Wide
-        );
-        assert_eq!(
-            GemmShape::chosen(3, 23, half, true, false, true),
-            GemmShape::Wide
-        );
+        for (g1, gated) in [(true, true), (false, true), (true, false), (false, false)] {
+            assert_eq!(
+                GemmShape::chosen(3, 23, half, g1, gated, true),
+                GemmShape::Half
+            );
+        }
         assert_eq!(
             GemmShape::chosen(3, 23, half, true, true, false),
             GemmShape::Wide
