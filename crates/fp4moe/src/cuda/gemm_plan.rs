@@ -28,13 +28,14 @@ pub enum GemmShape {
     /// resident, so one block's start (its routing reads, activation staging and first weight
     /// loads) overlaps three others' k loops, and no split-K exchange through shared memory.
     /// Each warp's chain is twice the wide one's, so it loses where the grid is about one wave
-    /// (the default rule: [`DEEP_GATED_FROM_TOKENS`], [`DEEP_NONGATED_FROM_TOKENS`]).
+    /// (the default rule: [`DEEP_GATED_GEMM1_FROM_TOKENS`], [`DEEP_GATED_FROM_TOKENS`],
+    /// [`DEEP_NONGATED_FROM_TOKENS`]).
     Deep,
     /// One token subtile and NVFP4 weights only (else wide): 4 row groups x the wide shape's 2
     /// K slices (the same bits) in 8-warp blocks, three per SM (gated) or four, so a grid of
     /// about one wave of wide blocks (a gated layer's GEMM1 holds one per SM: Qwen3-30B-A3B at
     /// 3 tokens, ~23 experts x 6 blocks on 132 SMs) runs in finer blocks without the deep
-    /// shape's doubled chains (the default rule: [`HALF_GATED_FROM_TOKENS`]).
+    /// shape's doubled chains (the default rule: [`HALF_FROM_TOKENS`]).
     Half,
 }
 
@@ -79,9 +80,10 @@ impl GemmShape {
     ///   rows: 29), else wide (run 131: 2 tokens narrow / wide, Nemotron-3 Nano 60.4 / 50.3,
     ///   Qwen3-30B-A3B 52.4 / 41.5; one token, mma kernels forced, runs 128 and 132: 37.9 /
     ///   35.0);
-    /// - routed NVFP4 experts: deep for both GEMMs of a gated layer from
-    ///   [`DEEP_GATED_FROM_TOKENS`] tokens, of a non-gated one from
-    ///   [`DEEP_NONGATED_FROM_TOKENS`] (runs 153, 177), else wide. Run 138 (H200, µs per layer, wide /
+    /// - routed NVFP4 experts: deep from [`DEEP_GATED_GEMM1_FROM_TOKENS`] tokens for a gated
+    ///   layer's GEMM1, [`DEEP_GATED_FROM_TOKENS`] for its GEMM2, [`DEEP_NONGATED_FROM_TOKENS`]
+    ///   for both of a non-gated one (runs 153, 177, 179); below, half from
+    ///   [`HALF_FROM_TOKENS`] (runs 178–180), else wide. Run 138 (H200, µs per layer, wide /
     ///   deep both / deep GEMM1 only / deep GEMM2 only; wide the mean of two rounds): Qwen3 4
     ///   tokens 57.0 / 53.3 / 54.4 / 55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.3 / 125.8 /
     ///   131.8 / 134.6, 64 154.4 / 144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block
@@ -131,14 +133,14 @@ impl GemmShape {
                 GemmShape::Wide
             };
         }
-        let deep_from = if gated {
-            DEEP_GATED_FROM_TOKENS
-        } else {
-            DEEP_NONGATED_FROM_TOKENS
+        let deep_from = match (gated, gemm1) {
+            (true, true) => DEEP_GATED_GEMM1_FROM_TOKENS,
+            (true, false) => DEEP_GATED_FROM_TOKENS,
+            (false, _) => DEEP_NONGATED_FROM_TOKENS,
         };
         if nvfp4 && tokens >= deep_from {
             GemmShape::Deep
-        } else if nvfp4 && gated && gemm1 && tokens >= HALF_GATED_FROM_TOKENS {
+        } else if nvfp4 && tokens >= HALF_FROM_TOKENS {
             GemmShape::Half
         } else {
             GemmShape::Wide
@@ -184,16 +186,31 @@ pub(super) fn handoff_by_default(
     !prefill_tiles || pairs < PREFILL_HANDOFF_BELOW * experts
 }
 
-/// Routed NVFP4 experts of a gated layer: GEMM1 takes the half shape from this many tokens
-/// until [`DEEP_GATED_FROM_TOKENS`] (GEMM2 stays wide). Run 178 (H200, Qwen3-30B-A3B, µs, mean
-/// of two rounds, GEMM1 half / wide, GEMM2 wide): 2 tokens 37.9 / 35.4, 3 42.8 / 45.7 (`--stages`
-/// at 3: GEMM1 18.4 against 25.2, GEMM2 10.1 against 6.3: the wide GEMM1's ~137 one-per-SM
-/// blocks run a second wave on 132 SMs).
-pub const HALF_GATED_FROM_TOKENS: usize = 3;
+/// Routed NVFP4 experts: both decode GEMMs take the half shape from this many tokens until
+/// their deep threshold ([`DEEP_GATED_GEMM1_FROM_TOKENS`], [`DEEP_GATED_FROM_TOKENS`],
+/// [`DEEP_NONGATED_FROM_TOKENS`]); wide below. Runs 178–180 (H200, µs, mean of two rounds,
+/// GEMM1:GEMM2 shapes forced by `FP4MOE_GEMM_SHAPE`, one call each):
+/// - Qwen3-30B-A3B (gated), half:half / half:deep / half:wide / wide:wide (the rule before) /
+///   deep:deep: 2 tokens 37.5 / 38.9 / 37.5 / **35.2**; 3 **42.0** / 42.5 / 42.4 / 45.7
+///   (`--stages` at 3, half:wide against wide:wide: GEMM1 18.4 against 25.2: the wide gated
+///   GEMM1's ~137 one-per-SM blocks run a second wave on 132 SMs); 4 45.4 / **44.8** / 46.2 /
+///   50.2 / 48.3; 5 50.9 / 51.4 / 51.6 / 56.0 / 52.3; 6 56.7 / 55.6 / 57.7 / 62.4 / **55.3**;
+///   8 63.9 / 61.3 / 65.5 / 70.9 / **60.7**.
+/// - Nemotron-3 Nano (non-gated), half:half / wide:half / half:wide / wide:wide (deep:deep
+///   from 5): 2 tokens 41.1 / 41.1 / 41.2 / **40.4**; 3 **47.9** / **47.9** / 49.0 / 49.2; 4
+///   **54.9** / 55.3 / 56.8 / 55.0; 5 62.5 / 63.2 / 63.6 / 62.7 (deep).
+pub const HALF_FROM_TOKENS: usize = 3;
 
-/// Routed NVFP4 experts of a gated layer: both decode GEMMs take the deep shape from this many
-/// tokens (run 138: 4.8-11 % faster at 4-64 tokens on Qwen3-30B-A3B; run 137: 19 % slower at 2).
+/// Routed NVFP4 experts of a gated layer: GEMM2 takes the deep shape from this many tokens (run
+/// 138: 4.8-11 % faster at 4-64 tokens on Qwen3-30B-A3B with both GEMMs deep; run 137: 19 %
+/// slower at 2; run 179: half GEMM1 with deep GEMM2 at 4 tokens 44.8 against 45.4 half:half).
 pub const DEEP_GATED_FROM_TOKENS: usize = 4;
+
+/// Routed NVFP4 experts of a gated layer: GEMM1 takes the deep shape from this many tokens
+/// (the half shape before it, from [`HALF_FROM_TOKENS`]). Run 179 (Qwen3-30B-A3B, GEMM2 deep,
+/// GEMM1 half / deep): 4 tokens 44.8 / 48.3, 5 51.4 / 52.3, 6 55.6 / 55.3, 8 61.3 / 60.7, 12
+/// 76.2 / 73.8. Was 4 (with GEMM2) until session 40.
+pub const DEEP_GATED_GEMM1_FROM_TOKENS: usize = 6;
 
 /// Routed NVFP4 experts of a non-gated layer: both decode GEMMs take the deep shape from this
 /// many tokens (one token subtile only: above [`DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS`]
@@ -852,28 +869,27 @@ mod tests {
             assert_eq!(shape(3, 1, g1, gated, fp4), Wide);
             assert_eq!(shape(100, 1, g1, gated, fp4), Wide);
         }
-        // Gated routed NVFP4 experts: both GEMMs deep from DEEP_GATED_FROM_TOKENS; below it,
-        // GEMM1 half from HALF_GATED_FROM_TOKENS.
-        let (half, from) = (HALF_GATED_FROM_TOKENS, DEEP_GATED_FROM_TOKENS);
-        assert!(half < from);
-        for g1 in [true, false] {
-            assert_eq!(shape(1, 8, g1, true, true), Wide);
-            assert_eq!(shape(half - 1, 8 * (half - 1), g1, true, true), Wide);
-            let below = if g1 { GemmShape::Half } else { Wide };
-            assert_eq!(shape(half, 8 * half, g1, true, true), below);
-            assert_eq!(shape(from - 1, 8 * (from - 1), g1, true, true), below);
-            assert_eq!(shape(half, 8 * half, g1, true, false), Wide);
-            assert_eq!(shape(from, 8 * from, g1, true, true), Deep);
-            assert_eq!(shape(64, 128, g1, true, true), Deep);
-            // bf16 routed experts: not measured deep.
-            assert_eq!(shape(64, 128, g1, true, false), Wide);
-        }
-        // Non-gated: both GEMMs deep from DEEP_NONGATED_FROM_TOKENS.
-        let from = DEEP_NONGATED_FROM_TOKENS;
-        for g1 in [true, false] {
-            assert_eq!(shape(from - 1, 6 * (from - 1), g1, false, true), Wide);
-            assert_eq!(shape(from, 6 * from, g1, false, true), Deep);
-            assert_eq!(shape(64, 128, g1, false, true), Deep);
+        // Routed NVFP4 experts: wide below HALF_FROM_TOKENS, then half, then deep from each
+        // GEMM's threshold; bf16 routed experts stay wide.
+        let half = HALF_FROM_TOKENS;
+        for (g1, gated, from, k) in [
+            (true, true, DEEP_GATED_GEMM1_FROM_TOKENS, 8),
+            (false, true, DEEP_GATED_FROM_TOKENS, 8),
+            (true, false, DEEP_NONGATED_FROM_TOKENS, 6),
+            (false, false, DEEP_NONGATED_FROM_TOKENS, 6),
+        ] {
+            assert!(half < from);
+            assert_eq!(shape(1, k, g1, gated, true), Wide);
+            assert_eq!(shape(half - 1, k * (half - 1), g1, gated, true), Wide);
+            assert_eq!(shape(half, k * half, g1, gated, true), GemmShape::Half);
+            assert_eq!(
+                shape(from - 1, k * (from - 1), g1, gated, true),
+                GemmShape::Half
+            );
+            assert_eq!(shape(from, k * from, g1, gated, true), Deep);
+            assert_eq!(shape(64, 128, g1, gated, true), Deep);
+            assert_eq!(shape(half, k * half, g1, gated, false), Wide);
+            assert_eq!(shape(64, 128, g1, gated, false), Wide);
         }
         assert_eq!(shape(64, 128, false, false, false), Wide);
         assert_eq!(shape(64, 128, true, false, false), Wide);

@@ -201,7 +201,7 @@ fn prefetch_from_env() -> i32 {
 
 impl CudaLayer {
     /// Forces the one-token layer in one launch on or off for later forwards (`None`:
-    /// `FP4MOE_ONE_TOKEN`, else on for non-gated experts, where it measured faster; see
+    /// `FP4MOE_ONE_TOKEN`, else on, where it measured faster for both expert kinds; see
     /// [`CudaLayer::one_token_applies`] for where it can run at all).
     pub fn set_one_token(&mut self, on: Option<bool>) {
         self.one_token = on;
@@ -225,14 +225,11 @@ impl CudaLayer {
             s.shape.experts,
             s.routing.top_k,
         );
-        // On by default for non-gated experts only: run 86 (H200, T = 1) measured Nemotron-3
-        // Nano 37.2 against 39.0–39.3 µs split (W4A16), 37.5 against 39.3–39.6 (W4A4), and
-        // Qwen3-30B-A3B (gated) level in W4A16 (32.4 / 32.4–32.5) but slower in W4A4 (33.0–33.1
-        // against 32.5–32.6).
-        let wanted = self
-            .one_token
-            .or_else(from_env)
-            .unwrap_or(!s.activation.is_gated());
+        // On by default: run 86 (H200, T = 1) measured Nemotron-3 Nano 37.2 against 39.0–39.3
+        // µs split (W4A16), 37.5 against 39.3–39.6 (W4A4). Gated experts were off until session
+        // 40 (run 86: Qwen3-30B-A3B level in W4A16, slower in W4A4); run 179 measured Qwen3
+        // 29.8 against 31.5 (W4A16) and 28.9 against 31.8 (W4A4), two rounds each.
+        let wanted = self.one_token.or_else(from_env).unwrap_or(true);
         let decode = self
             .decode_kernel
             .or_else(DecodeKernel::from_env)
