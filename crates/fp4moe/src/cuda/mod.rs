@@ -7,7 +7,7 @@
 //!               (shared expert: gemm1 → gemm2) → combine → y [T, H]
 //! ```
 //! Small batches ([`RoutePath`]) run the first four stages as one launch, `route_small`, on the
-//! same device code (bitwise the same results); one token of a non-gated layer runs the whole
+//! same device code (bitwise the same results); one token (no shared expert) runs the whole
 //! layer as one launch (`one_token.cu`, bitwise the same results again). The shared expert's grouping (every token once,
 //! weight 1) is written once per workspace. No float atomics anywhere: results are bitwise
 //! reproducible from run to run. Between the GEMMs the intermediate is bf16 (DESIGN 2's "bf16
