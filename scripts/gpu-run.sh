@@ -101,7 +101,7 @@ if has sass && [ -n "$ncu" ]; then
   done
 fi
 if has shapes; then
-  for shape in narrow wide deep; do
+  for shape in narrow wide deep half; do
     echo "== FP4MOE_GEMM_SHAPE=$shape"
     FP4MOE_GEMM_SHAPE=$shape .gpu/fp4moe bench --preset nemotron3-nano --tokens 1,8,64,256 --backend cuda 2>&1 | tail -5 | tee -a $L/shapes.txt
   done

@@ -17,9 +17,11 @@
 
 // Block shape: RGPB row groups x KSPLIT slices of K, one warp each (NWARPS = 16, or 8 for the
 // 32-token variants so their accumulators fit in registers); the KSPLIT partial accumulators
-// are summed in shared memory in a fixed order (deterministic). Two shapes: narrow (few row
-// groups, many K slices: many blocks; since run 131 only for one expert at 1-2 tokens) and
-// wide (one activation staging serves 64 or 128 weight rows; every other launch).
+// are summed in shared memory in a fixed order (deterministic). Four shapes: narrow (few row
+// groups, many K slices: many blocks; since run 131 only for one expert at 1-2 tokens), wide
+// (one activation staging serves 64 or 128 weight rows), deep (one subtile: one warp per row
+// group runs both of the wide K slices into separate sums, no exchange) and half (one subtile:
+// 4 row groups x the wide K slices in 8 warps). Which runs when: cuda/gemm_plan.rs.
 
 // The B fragments of two consecutive 16-wide k blocks (j, j + 1) of every subtile, one
 // ldmatrix.x4 each: b[s] = {b0, b1 of block j, b0, b1 of block j + 1} of subtile s, from shared
@@ -344,7 +346,9 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 // 1.5-4.7 % faster), wide and narrow (run 176: Nemotron 3-4 tokens -2.5 %, 112-120 tokens -1.7
 // to -2.1 %; Qwen3 2-3 tokens, whose GEMM2 runs them, level); two in the gated ones
 // (wide at three: Qwen3 2 tokens +1.9 %, run 176; deep: a third spills at three blocks per SM,
-// and two blocks with three groups made Qwen3 8-96 tokens 3-6 % slower, run 175). Defines, so
+// and two blocks with three groups made Qwen3 8-96 tokens 3-6 % slower, run 175). The half
+// kernels (VS 1) take the wide depths: DECODE_GATED_WIDE_DEPTH=3 would put a third group in the
+// gated half kernel under its 80-register cap (check compile-kernels for spills). Defines, so
 // that FP4MOE_DEFINES variants time the alternatives.
 #ifndef DECODE_DEEP_DEPTH
 #define DECODE_DEEP_DEPTH 3

@@ -645,8 +645,8 @@ fn check_fused(spec: MoeSpec, tokens: usize, seed: u64) {
     let cpu = MoeLayer::new(spec, w.clone(), BackendChoice::Use(Backend::Cpu)).unwrap();
     let topk = cpu.route(&x, Some(&logits)).unwrap();
     let mut layer = CudaLayer::new(&spec, &w).unwrap();
-    // The fused routing kernel, not the one-launch layer (which takes a non-gated token without
-    // a shared expert by default; it has its own bitwise test against the split path).
+    // The fused routing kernel, not the one-launch layer (which takes a token without a shared
+    // expert by default; it has its own bitwise test against the split path).
     layer.set_one_token(Some(false));
     let max_smem = layer.device().max_shared_bytes;
     assert_eq!(
@@ -946,7 +946,8 @@ fn assert_shapes_agree(
 /// the second slice starts in the other register buffer), 3 and 1, 2 and 3; both GEMMs, gated
 /// and not, W4A16 and W4A4; 16 tokens over 16 experts, top-4 (some experts take two passes).
 /// So does the half shape (8-warp blocks of 4 row groups; NVFP4 weights only, else the wide
-/// shape).
+/// shape); H 208 and I 80 (13 and 5 row groups, padded k groups) end both GEMMs in a partial
+/// block of every shape.
 #[test]
 fn deep_decode_shape_matches_wide_bitwise() {
     if !common::gpu_available() {
@@ -957,6 +958,8 @@ fn deep_decode_shape_matches_wide_bitwise() {
         (2688, 1856, Activation::Silu, W4A4),
         (192, 64, Activation::Silu, QuantMode::W4A16),
         (128, 192, Activation::Relu2NoMul, QuantMode::W4A16),
+        (208, 80, Activation::Silu, QuantMode::W4A16),
+        (208, 80, Activation::Relu2NoMul, W4A4),
     ] {
         let s = spec(h, i, 16, 4, act, quant);
         let (mut layer, _, x, logits) = mma_decode_layer(&s, 16, 8200 + h as u64, 8201);

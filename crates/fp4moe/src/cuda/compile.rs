@@ -546,7 +546,22 @@ mod tests {
             } else if file == "expert_stream.cu" {
                 let n = src.matches("\nSTREAM(").count();
                 assert_eq!(3 * n, names.len(), "{file}");
-            } else if file != "expert_gemm.cu" {
+            } else if file == "expert_gemm.cu" {
+                // Seven shapes per INSTANTIATE, one per INSTANTIATE_ONE line; each listed
+                // one-off names its line.
+                let n = 7 * src.matches("\nINSTANTIATE(").count()
+                    + src.matches("\nINSTANTIATE_ONE(").count();
+                assert_eq!(n, names.len(), "{file}");
+                for n in names.iter().filter(|n| n.ends_with("_half_n1")) {
+                    let base = n.trim_end_matches("_half_n1");
+                    let line = format!("\nINSTANTIATE_ONE({base}, ");
+                    let at = src
+                        .find(&line)
+                        .unwrap_or_else(|| panic!("{file} lacks {n}"));
+                    let end = src[at + 1..].find('\n').map_or(src.len(), |e| at + 1 + e);
+                    assert!(src[at..end].ends_with("half)"), "{file}: {n}");
+                }
+            } else {
                 assert_eq!(
                     src.matches("extern \"C\" __global__").count(),
                     names.len(),

@@ -13,8 +13,9 @@ use super::{pack, tuning_choice, tuning_knob, Error, Result};
 use std::sync::OnceLock;
 
 /// Block shapes of the mma decode GEMMs (`expert_gemm.cu`): row groups per block, the rest of
-/// the 16 warps split K. Every shape of a launch gives the same bits except narrow, which splits
-/// K another way.
+/// the warps split K (the deep shape: one warp per row group runs both of the wide shape's K
+/// slices). Every shape of a launch gives the same bits except narrow, which splits K another
+/// way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmShape {
     /// 2 row groups x 8 K slices: four times the wide shape's blocks (the default up to 2
@@ -47,7 +48,8 @@ impl GemmShape {
             shape => shape,
         }
     }
-    /// Warps per block: 16, or 8 for the 32-token variants (register budget) and the deep shape.
+    /// Warps per block: 16, or 8 for the 32-token variants (register budget) and the deep and
+    /// half shapes.
     pub(super) fn warps(self, nsub: usize) -> usize {
         if nsub == 4 || matches!(self.resolve(nsub), GemmShape::Deep | GemmShape::Half) {
             8
@@ -96,9 +98,9 @@ impl GemmShape {
     ///   chain doubles). bf16 routed experts are not measured with the deep shape and stay
     ///   wide.
     ///
-    /// The deep shape exists for one token subtile and falls back to wide for more; it gives
-    /// the wide shape's bits, so this choice never changes results. `FP4MOE_GEMM_SHAPE=SHAPE`
-    /// or `GEMM1:GEMM2` (each `narrow|wide|deep|half|auto`, `auto` the rule below) overrides
+    /// The deep and half shapes exist for one token subtile and fall back to wide for more; they
+    /// give the wide shape's bits, so this choice never changes results. `FP4MOE_GEMM_SHAPE=SHAPE`
+    /// or `GEMM1:GEMM2` (each `narrow|wide|deep|half|auto`, `auto` the rule above) overrides
     /// it for every launch of that GEMM, one expert and bf16 weights included (a tuning knob
     /// for benchmarks; `deep1` / `deep2` read `deep:wide` / `wide:deep`). A forced half shape
     /// runs on NVFP4 weights ([`GemmShape::Half`]), else wide.
@@ -190,12 +192,13 @@ pub(super) fn handoff_by_default(
 /// their deep threshold ([`DEEP_GATED_GEMM1_FROM_TOKENS`], [`DEEP_GATED_FROM_TOKENS`],
 /// [`DEEP_NONGATED_FROM_TOKENS`]); wide below. Runs 178–180 (H200, µs, mean of two rounds,
 /// GEMM1:GEMM2 shapes forced by `FP4MOE_GEMM_SHAPE`, one call each):
-/// - Qwen3-30B-A3B (gated), half:half / half:deep / half:wide / wide:wide (the rule before) /
-///   deep:deep: 2 tokens 37.5 / 38.9 / 37.5 / **35.2**; 3 **42.0** / 42.5 / 42.4 / 45.7
+/// - Qwen3-30B-A3B (gated), half:half / half:deep / half:wide / wide:wide / deep:deep (the
+///   rule before: wide:wide up to 3 tokens, deep:deep from 4; deep:deep at 2–3 from run 181):
+///   2 tokens 37.5 / 38.9 / 37.5 / **35.2** / 43.5; 3 **42.0** / 42.5 / 42.4 / 45.7 / 51.8
 ///   (`--stages` at 3, half:wide against wide:wide: GEMM1 18.4 against 25.2: the wide gated
 ///   GEMM1's ~137 one-per-SM blocks run a second wave on 132 SMs); 4 45.4 / **44.8** / 46.2 /
 ///   50.2 / 48.3; 5 50.9 / 51.4 / 51.6 / 56.0 / 52.3; 6 56.7 / 55.6 / 57.7 / 62.4 / **55.3**;
-///   8 63.9 / 61.3 / 65.5 / 70.9 / **60.7**.
+///   8 63.9 / 61.3 / 65.6 / 70.9 / **60.7**.
 /// - Nemotron-3 Nano (non-gated), half:half / wide:half / half:wide / wide:wide (deep:deep
 ///   from 5): 2 tokens 41.1 / 41.1 / 41.2 / **40.4**; 3 **47.9** / **47.9** / 49.0 / 49.2; 4
 ///   **54.9** / 55.3 / 56.8 / 55.0; 5 62.5 / 63.2 / 63.6 / 62.7 (deep).
@@ -731,8 +734,8 @@ pub(super) const STREAM_TILE: usize = 8;
 /// tokens 52.8 / 52.0; with the mma kernels' wide block shape (runs 131–132): 2 tokens
 /// Nemotron 50.3, Qwen3 41.5; 1 token stream (Nemotron: `one_token`) / wide mma 34.4 / 35.0 and
 /// 31.3 / 35.1. A streaming block loads all its weights before it computes; with more
-/// experts per SM the mma kernels' per-warp prefetch overlaps better. At one token a non-gated
-/// layer runs `one_token.cu` (which takes this choice as its condition).
+/// experts per SM the mma kernels' per-warp prefetch overlaps better. At one token a layer
+/// without a shared expert runs `one_token.cu` (which takes this choice as its condition).
 pub const STREAM_MAX_TOKENS: usize = 1;
 
 impl DecodeKernel {
@@ -899,15 +902,28 @@ mod tests {
             GemmShape::chosen(64, 128, Some(Wide), true, true, true),
             Wide
         );
-        // The deep shape runs one subtile on 8 warps of one K slice each; more subtiles fall
-        // back to the wide kernels.
-        assert_eq!(GemmShape::Half.name(1), "half");
-        assert_eq!((GemmShape::Half.warps(1), GemmShape::Half.rgpb(1)), (8, 4));
-        assert_eq!(GemmShape::Half.name(2), "wide");
-        // The half shape's K split is the wide one's (2 slices); its reduction buffer holds
-        // one slice of 4 row groups.
+        // The half shape runs one subtile on 8 warps, 4 row groups x 2 K slices (the wide
+        // split); more subtiles fall back to the wide kernels.
+        let half_wide = |n| {
+            (
+                GemmShape::Half.name(n),
+                GemmShape::Half.warps(n),
+                GemmShape::Half.rgpb(n),
+            )
+        };
+        assert_eq!(half_wide(1), ("half", 8, 4));
+        assert_eq!(half_wide(2), ("wide", 16, 8));
+        assert_eq!(half_wide(4), ("wide", 8, 4));
+        // Its reduction buffer holds one K slice of 4 row groups; beyond one subtile it is the
+        // wide shape's.
         assert_eq!(gemm_smem(1, 2048, true, GemmShape::Half), 8 * 2056 * 2);
         assert_eq!(gemm_smem(1, 64, true, GemmShape::Half), 4 * 32 * 8 * 4);
+        for (n, k, g) in [(2, 2048, true), (4, 768, false), (2, 64, true)] {
+            assert_eq!(
+                gemm_smem(n, k, g, GemmShape::Half),
+                gemm_smem(n, k, g, Wide)
+            );
+        }
         // Forced half runs on NVFP4 weights only.
         let half = Some(GemmShape::Half);
         for (g1, gated) in [(true, true), (false, true), (true, false), (false, false)] {
@@ -932,6 +948,8 @@ mod tests {
         assert_eq!(knob_shape("Deep", true), None);
         assert_eq!(knob_shape("wide:bogus", false), None);
         assert_eq!(knob_shape("wide:bogus", true), Some(Some(Wide)));
+        // The deep shape runs one subtile on 8 warps of one K slice each; more subtiles fall
+        // back to the wide kernels.
         assert_eq!(GemmShape::Deep.name(1), "deep");
         assert_eq!((GemmShape::Deep.warps(1), GemmShape::Deep.rgpb(1)), (8, 8));
         assert_eq!(GemmShape::Deep.name(2), "wide");
@@ -943,10 +961,18 @@ mod tests {
 
     #[test]
     fn subtiles_follow_tokens_per_expert_and_the_deep_shape() {
-        use GemmShape::{Deep, Wide};
+        use GemmShape::{Deep, Half, Wide};
         // (tokens, mean tokens per expert in quarters rounded up, gated layer, shape)
         for gated in [true, false] {
-            for shape in [Wide, Deep] {
+            // The half shape asks what the wide one asks (it exists for one subtile, else wide).
+            for q in [1, 4 * 4, 4 * 4 + 1, 4 * 12, 4 * 12 + 1] {
+                let t = 100;
+                assert_eq!(
+                    subtiles_wanted(t, q, gated, Half),
+                    subtiles_wanted(t, q, gated, Wide)
+                );
+            }
+            for shape in [Wide, Deep, Half] {
                 assert_eq!(
                     subtiles_wanted(8, 4 * 64, gated, shape),
                     1,

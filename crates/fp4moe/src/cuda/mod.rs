@@ -741,8 +741,8 @@ impl CudaLayer {
     }
 
     /// Forces the block shape of later forwards' mma decode GEMMs (`None`: `FP4MOE_GEMM_SHAPE`,
-    /// else the default rule). A shape without a kernel for the launch's token subtiles falls
-    /// back to the wide one.
+    /// else the default rule). A shape without a kernel for the launch's token subtiles or
+    /// weights (the half shape on bf16 weights) falls back to the wide one.
     pub fn set_gemm_shape(&mut self, shape: Option<GemmShape>) {
         self.gemm_shape = shape;
     }
