@@ -359,11 +359,17 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 #ifndef DECODE_GATED_WIDE_DEPTH
 #define DECODE_GATED_WIDE_DEPTH 2
 #endif
+// Gated half blocks per SM: three at 80 registers; four compile at 64 without spills (a
+// timing variant, FP4MOE_DEFINES=GATED_HALF_BLOCKS=4, not yet measured).
+#ifndef GATED_HALF_BLOCKS
+#define GATED_HALF_BLOCKS 3
+#endif
 #define DECODE_DEPTH(GATED, VS) \
     (VS == 2 ? (GATED ? 2 : DECODE_DEEP_DEPTH) : (GATED ? DECODE_GATED_WIDE_DEPTH : DECODE_WIDE_DEPTH))
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG)                                  \
     extern "C" __global__ void __launch_bounds__(                                                        \
-        NW * 32, (VS == 2 || HALF_SHAPE(NSUB, NW)) ? (KIND == 1 ? 2 : GATED ? 3 : 4)                   \
+        NW * 32, VS == 2 ? (KIND == 1 ? 2 : GATED ? 3 : 4)                                             \
+                 : HALF_SHAPE(NSUB, NW) ? (GATED ? GATED_HALF_BLOCKS : 4)                               \
                          : ((GATED || NSUB == 4 || KIND == 1 || NARROW_ROOM(NSUB, RG)) ? 1 : 2))        \
         NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                     \
         gemm_enter<STAGE>(p);                                                                             \
