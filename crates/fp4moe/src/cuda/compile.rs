@@ -163,9 +163,10 @@ pub fn kernel_names(file: &str) -> Vec<String> {
                 }
             }
             names.push(format!("{base}_deep_n1"));
-        }
-        for base in ["gemm1_nvfp4_gated", "gemm1_nvfp4_plain", "gemm2_nvfp4"] {
-            names.push(format!("{base}_half_n1"));
+            // The half shape exists for NVFP4 weights only.
+            if base.contains("nvfp4") {
+                names.push(format!("{base}_half_n1"));
+            }
         }
     }
     if file == "expert_stream.cu" {
