@@ -347,9 +347,9 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 // to -2.1 %; Qwen3 2-3 tokens, whose GEMM2 runs them, level); two in the gated ones
 // (wide at three: Qwen3 2 tokens +1.9 %, run 176; deep: a third spills at three blocks per SM,
 // and two blocks with three groups made Qwen3 8-96 tokens 3-6 % slower, run 175). The half
-// kernels (VS 1) take the wide depths: DECODE_GATED_WIDE_DEPTH=3 would put a third group in the
-// gated half kernel under its 80-register cap (check compile-kernels for spills). Defines, so
-// that FP4MOE_DEFINES variants time the alternatives.
+// kernels (VS 1) take the wide depths (a third group in the gated half kernel fits its 80
+// registers and was within ±1.3 % of two at Qwen3 3-32 tokens, run 183). Defines, so that
+// FP4MOE_DEFINES variants time the alternatives.
 #ifndef DECODE_DEEP_DEPTH
 #define DECODE_DEEP_DEPTH 3
 #endif
@@ -359,22 +359,21 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
 #ifndef DECODE_GATED_WIDE_DEPTH
 #define DECODE_GATED_WIDE_DEPTH 2
 #endif
-// Gated half blocks per SM: three at 80 registers; four compile at 64 without spills (a
-// timing variant, FP4MOE_DEFINES=GATED_HALF_BLOCKS=4, not yet measured).
-#ifndef GATED_HALF_BLOCKS
-#define GATED_HALF_BLOCKS 3
-#endif
 #define DECODE_DEPTH(GATED, VS) \
     (VS == 2 ? (GATED ? 2 : DECODE_DEEP_DEPTH) : (GATED ? DECODE_GATED_WIDE_DEPTH : DECODE_WIDE_DEPTH))
-#define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG)                                  \
-    extern "C" __global__ void __launch_bounds__(                                                        \
-        NW * 32, VS == 2 ? (KIND == 1 ? 2 : GATED ? 3 : 4)                                             \
-                 : HALF_SHAPE(NSUB, NW) ? (GATED ? GATED_HALF_BLOCKS : 4)                               \
-                         : ((GATED || NSUB == 4 || KIND == 1 || NARROW_ROOM(NSUB, RG)) ? 1 : 2))        \
-        NAME##_##CFG##_n##NSUB(const GemmParams p) {                                                     \
-        gemm_enter<STAGE>(p);                                                                             \
-        gemm_body<KIND, STAGE, GATED, NSUB, RG, NW, VS, DECODE_DEPTH(GATED, VS)>(p);                     \
-        gemm_exit<STAGE>(p);                                                                              \
+// Blocks per SM (launch bounds) of a shape: two deep bf16 blocks, three gated deep or half
+// ones (80 registers), four other deep or half ones (64), else one or two 16-warp blocks.
+#define SHAPE_BLOCKS(KIND, GATED, NSUB, RG, NW, VS)                              \
+    (VS == 2 ? (KIND == 1 ? 2 : GATED ? 3 : 4)                                   \
+             : HALF_SHAPE(NSUB, NW) ? (GATED ? 3 : 4)                            \
+                     : ((GATED || NSUB == 4 || KIND == 1 || NARROW_ROOM(NSUB, RG)) ? 1 : 2))
+#define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG) \
+    INSTANTIATE_BLOCKS(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG, SHAPE_BLOCKS(KIND, GATED, NSUB, RG, NW, VS))
+#define INSTANTIATE_BLOCKS(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG, BLOCKS)             \
+    extern "C" __global__ void __launch_bounds__(NW * 32, BLOCKS) NAME##_##CFG##_n##NSUB(const GemmParams p) { \
+        gemm_enter<STAGE>(p);                                                                   \
+        gemm_body<KIND, STAGE, GATED, NSUB, RG, NW, VS, DECODE_DEPTH(GATED, VS)>(p);           \
+        gemm_exit<STAGE>(p);                                                                    \
     }
 #define INSTANTIATE(NAME, KIND, STAGE, GATED)                     \
     INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, 1, 2, 16, 1, narrow)   \
@@ -393,6 +392,16 @@ INSTANTIATE(gemm2_nvfp4, 0, 2, false)
 INSTANTIATE_ONE(gemm1_nvfp4_gated, 0, 1, true, 1, 4, 8, 1, half)
 INSTANTIATE_ONE(gemm1_nvfp4_plain, 0, 1, false, 1, 4, 8, 1, half)
 INSTANTIATE_ONE(gemm2_nvfp4, 0, 2, false, 1, 4, 8, 1, half)
+// The gated half GEMM1 at four blocks per SM (64 registers): 32 warps per SM instead of 24, a
+// third more weight bytes in flight (KERNEL_NOTES run 183: Qwen3 5-6 tokens -6 %; at 3 tokens,
+// a grid of well under one wave, the three-block kernel's 80 registers win by 5 %). sm_80's
+// ptxas spills it at 64 registers (20 / 32 bytes): there it is the three-block kernel.
+#if __CUDA_ARCH__ >= 900
+#define GATED_HALF4_BLOCKS 4
+#else
+#define GATED_HALF4_BLOCKS 3
+#endif
+INSTANTIATE_BLOCKS(gemm1_nvfp4_gated, 0, 1, true, 1, 4, 8, 1, half4, GATED_HALF4_BLOCKS)
 INSTANTIATE(gemm1_bf16_gated, 1, 1, true)
 INSTANTIATE(gemm1_bf16_plain, 1, 1, false)
 INSTANTIATE(gemm2_bf16, 1, 2, false)

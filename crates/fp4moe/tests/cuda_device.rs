@@ -946,7 +946,7 @@ fn assert_shapes_agree(
 /// the second slice starts in the other register buffer), 3 and 1, 2 and 3; both GEMMs, gated
 /// and not, W4A16 and W4A4; 16 tokens over 16 experts, top-4 (some experts take two passes).
 /// So does the half shape (8-warp blocks of 4 row groups; NVFP4 weights only, else the wide
-/// shape); H 208 and I 80 (13 and 5 row groups, padded k groups) end both GEMMs in a partial
+/// shape), also at four blocks per SM (a gated GEMM1's `half4` kernel); H 208 and I 80 (13 and 5 row groups, padded k groups) end both GEMMs in a partial
 /// block of every shape.
 #[test]
 fn deep_decode_shape_matches_wide_bitwise() {
@@ -964,10 +964,10 @@ fn deep_decode_shape_matches_wide_bitwise() {
         let s = spec(h, i, 16, 4, act, quant);
         let (mut layer, _, x, logits) = mma_decode_layer(&s, 16, 8200 + h as u64, 8201);
         let label = format!("H {h} I {i} {act} {quant}");
-        for shape in [GemmShape::Deep, GemmShape::Half] {
+        for shape in [GemmShape::Deep, GemmShape::Half, GemmShape::Half4] {
             assert_shapes_agree(&mut layer, &x, &logits, Some(shape), &label);
         }
-        println!("deep and half shapes {label}: bitwise the wide shape's");
+        println!("deep, half and half4 shapes {label}: bitwise the wide shape's");
     }
 }
 
@@ -1005,7 +1005,7 @@ fn gated_deep_one_subtile_matches_wide_two_subtiles() {
 /// expert's GEMM1 blocks instead of all of GEMM1) gives the bits of the full wait, and its
 /// counters are back at zero after every forward: one workspace runs four forwards (a counter
 /// left behind would make the next GEMM2 wait for a count it never reaches and trap). Gated and
-/// not, W4A16 and W4A4, the wide, deep and half block shapes, 2 to 40 tokens over 16 experts top-4, H not a
+/// not, W4A16 and W4A4, the wide, deep, half and half4 block shapes, 2 to 40 tokens over 16 experts top-4, H not a
 /// multiple of 128 and I = 1856.
 #[test]
 fn expert_handoff_matches_the_full_wait_bitwise() {
@@ -1020,7 +1020,12 @@ fn expert_handoff_matches_the_full_wait_bitwise() {
     ] {
         let s = spec(h, i, 16, 4, act, quant);
         let (mut layer, _, x, logits) = mma_decode_layer(&s, 40, 8300 + h as u64, 8301);
-        for shape in [GemmShape::Wide, GemmShape::Deep, GemmShape::Half] {
+        for shape in [
+            GemmShape::Wide,
+            GemmShape::Deep,
+            GemmShape::Half,
+            GemmShape::Half4,
+        ] {
             layer.set_gemm_shape(Some(shape));
             for t in [2, 9, 40] {
                 let label = format!("H {h} I {i} {act} {quant} {shape:?} T {t}");

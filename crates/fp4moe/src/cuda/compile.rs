@@ -163,9 +163,13 @@ pub fn kernel_names(file: &str) -> Vec<String> {
                 }
             }
             names.push(format!("{base}_deep_n1"));
-            // The half shape exists for NVFP4 weights only.
+            // The half shape exists for NVFP4 weights only, at four blocks per SM for the
+            // gated GEMM1 only (the other half kernels run four already).
             if base.contains("nvfp4") {
                 names.push(format!("{base}_half_n1"));
+            }
+            if base == "gemm1_nvfp4_gated" {
+                names.push(format!("{base}_half4_n1"));
             }
         }
     }
@@ -548,19 +552,29 @@ mod tests {
                 let n = src.matches("\nSTREAM(").count();
                 assert_eq!(3 * n, names.len(), "{file}");
             } else if file == "expert_gemm.cu" {
-                // Seven shapes per INSTANTIATE, one per INSTANTIATE_ONE line; each listed
-                // one-off names its line.
+                // Seven shapes per INSTANTIATE, one per INSTANTIATE_ONE or INSTANTIATE_BLOCKS
+                // line; each listed one-off names its line.
                 let n = 7 * src.matches("\nINSTANTIATE(").count()
-                    + src.matches("\nINSTANTIATE_ONE(").count();
+                    + src.matches("\nINSTANTIATE_ONE(").count()
+                    + src.matches("\nINSTANTIATE_BLOCKS(").count();
                 assert_eq!(n, names.len(), "{file}");
-                for n in names.iter().filter(|n| n.ends_with("_half_n1")) {
-                    let base = n.trim_end_matches("_half_n1");
-                    let line = format!("\nINSTANTIATE_ONE({base}, ");
-                    let at = src
-                        .find(&line)
-                        .unwrap_or_else(|| panic!("{file} lacks {n}"));
-                    let end = src[at + 1..].find('\n').map_or(src.len(), |e| at + 1 + e);
-                    assert!(src[at..end].ends_with("half)"), "{file}: {n}");
+                for (suffix, head, tail) in [
+                    ("_half_n1", "INSTANTIATE_ONE", "half)"),
+                    (
+                        "_half4_n1",
+                        "INSTANTIATE_BLOCKS",
+                        "half4, GATED_HALF4_BLOCKS)",
+                    ),
+                ] {
+                    for n in names.iter().filter(|n| n.ends_with(suffix)) {
+                        let base = n.trim_end_matches(suffix);
+                        let line = format!("\n{head}({base}, ");
+                        let at = src
+                            .find(&line)
+                            .unwrap_or_else(|| panic!("{file} lacks {n}"));
+                        let end = src[at + 1..].find('\n').map_or(src.len(), |e| at + 1 + e);
+                        assert!(src[at..end].ends_with(tail), "{file}: {n}");
+                    }
                 }
             } else {
                 assert_eq!(
@@ -570,7 +584,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(kernel_names("expert_gemm.cu").len(), 45);
+        assert_eq!(kernel_names("expert_gemm.cu").len(), 46);
     }
 
     #[test]

@@ -38,20 +38,30 @@ pub enum GemmShape {
     /// 3 tokens, ~23 experts x 6 blocks on 132 SMs) runs in finer blocks without the deep
     /// shape's doubled chains (the default rule: [`HALF_FROM_TOKENS`]).
     Half,
+    /// The half shape at four blocks per SM for a gated layer's NVFP4 GEMM1 (64 registers where
+    /// [`GemmShape::Half`] has 80): 32 warps per SM instead of 24, so a third more weight bytes
+    /// in flight (the default rule: [`HALF4_GATED_GEMM1_FROM_TOKENS`]). Every other half kernel
+    /// already runs four blocks per SM: there it is [`GemmShape::Half`].
+    Half4,
 }
 
 impl GemmShape {
     /// The shape that runs `nsub` subtiles: the deep and half shapes exist for one subtile only.
     pub(super) fn resolve(self, nsub: usize) -> Self {
         match self {
-            GemmShape::Deep | GemmShape::Half if nsub != 1 => GemmShape::Wide,
+            GemmShape::Deep | GemmShape::Half | GemmShape::Half4 if nsub != 1 => GemmShape::Wide,
             shape => shape,
         }
     }
     /// Warps per block: 16, or 8 for the 32-token variants (register budget) and the deep and
     /// half shapes.
     pub(super) fn warps(self, nsub: usize) -> usize {
-        if nsub == 4 || matches!(self.resolve(nsub), GemmShape::Deep | GemmShape::Half) {
+        if nsub == 4
+            || matches!(
+                self.resolve(nsub),
+                GemmShape::Deep | GemmShape::Half | GemmShape::Half4
+            )
+        {
             8
         } else {
             16
@@ -64,7 +74,7 @@ impl GemmShape {
             (GemmShape::Narrow, true) => 1,
             (GemmShape::Wide | GemmShape::Deep, false) => 8,
             (GemmShape::Wide | GemmShape::Deep, true) => 4,
-            (GemmShape::Half, _) => 4,
+            (GemmShape::Half | GemmShape::Half4, _) => 4,
         }
     }
     pub(super) fn name(self, nsub: usize) -> &'static str {
@@ -73,6 +83,7 @@ impl GemmShape {
             GemmShape::Wide => "wide",
             GemmShape::Deep => "deep",
             GemmShape::Half => "half",
+            GemmShape::Half4 => "half4",
         }
     }
     /// The shape of an NVFP4 (`nvfp4`) or bf16 GEMM1 (`gemm1`) or GEMM2 of a gated or
@@ -84,8 +95,9 @@ impl GemmShape {
     ///   35.0);
     /// - routed NVFP4 experts: deep from [`DEEP_GATED_GEMM1_FROM_TOKENS`] tokens for a gated
     ///   layer's GEMM1, [`DEEP_GATED_FROM_TOKENS`] for its GEMM2, [`DEEP_NONGATED_FROM_TOKENS`]
-    ///   for both of a non-gated one (runs 153, 177, 179); below, half from
-    ///   [`HALF_FROM_TOKENS`] (runs 178–180), else wide. Run 138 (H200, µs per layer, wide /
+    ///   for both of a non-gated one (runs 153, 177, 179, 183); below, half from
+    ///   [`HALF_FROM_TOKENS`] (runs 178–180), a gated GEMM1's at four blocks per SM from
+    ///   [`HALF4_GATED_GEMM1_FROM_TOKENS`] (run 183), else wide. Run 138 (H200, µs per layer, wide /
     ///   deep both / deep GEMM1 only / deep GEMM2 only; wide the mean of two rounds): Qwen3 4
     ///   tokens 57.0 / 53.3 / 54.4 / 55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.3 / 125.8 /
     ///   131.8 / 134.6, 64 154.4 / 144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block
@@ -100,10 +112,11 @@ impl GemmShape {
     ///
     /// The deep and half shapes exist for one token subtile and fall back to wide for more; they
     /// give the wide shape's bits, so this choice never changes results. `FP4MOE_GEMM_SHAPE=SHAPE`
-    /// or `GEMM1:GEMM2` (each `narrow|wide|deep|half|auto`, `auto` the rule above) overrides
+    /// or `GEMM1:GEMM2` (each `narrow|wide|deep|half|half4|auto`, `auto` the rule above) overrides
     /// it for every launch of that GEMM, one expert and bf16 weights included (a tuning knob
     /// for benchmarks; `deep1` / `deep2` read `deep:wide` / `wide:deep`). A forced half shape
-    /// runs on NVFP4 weights ([`GemmShape::Half`]), else wide.
+    /// runs on NVFP4 weights ([`GemmShape::Half`]), else wide; a forced `half4` is
+    /// [`GemmShape::Half`] except for a gated layer's GEMM1.
     pub(super) fn chosen(
         tokens: usize,
         slots: usize,
@@ -118,11 +131,12 @@ impl GemmShape {
             (Some(shape), _) | (None, Some(Some(shape))) => shape,
             _ => Self::rule(tokens, slots, gemm1, gated, nvfp4),
         };
-        // The half shape has kernels for NVFP4 weights only.
-        if shape == GemmShape::Half && !nvfp4 {
-            GemmShape::Wide
-        } else {
-            shape
+        // The half shape has kernels for NVFP4 weights only; at four blocks per SM for a
+        // gated GEMM1 only (the others' half kernels already run four).
+        match shape {
+            GemmShape::Half | GemmShape::Half4 if !nvfp4 => GemmShape::Wide,
+            GemmShape::Half4 if !(gemm1 && gated) => GemmShape::Half,
+            shape => shape,
         }
     }
 
@@ -142,6 +156,8 @@ impl GemmShape {
         };
         if nvfp4 && tokens >= deep_from {
             GemmShape::Deep
+        } else if nvfp4 && gated && gemm1 && tokens >= HALF4_GATED_GEMM1_FROM_TOKENS {
+            GemmShape::Half4
         } else if nvfp4 && tokens >= HALF_FROM_TOKENS {
             GemmShape::Half
         } else {
@@ -164,6 +180,7 @@ fn knob_shape(value: &str, gemm1: bool) -> Option<Option<GemmShape>> {
         "wide" => Some(Some(GemmShape::Wide)),
         "deep" => Some(Some(GemmShape::Deep)),
         "half" => Some(Some(GemmShape::Half)),
+        "half4" => Some(Some(GemmShape::Half4)),
         "auto" => Some(None),
         _ => None,
     }
@@ -210,10 +227,20 @@ pub const HALF_FROM_TOKENS: usize = 3;
 pub const DEEP_GATED_FROM_TOKENS: usize = 4;
 
 /// Routed NVFP4 experts of a gated layer: GEMM1 takes the deep shape from this many tokens
-/// (the half shape before it, from [`HALF_FROM_TOKENS`]). Run 179 (Qwen3-30B-A3B, GEMM2 deep,
-/// GEMM1 half / deep): 4 tokens 44.8 / 48.3, 5 51.4 / 52.3, 6 55.6 / 55.3, 8 61.3 / 60.7, 12
-/// 76.2 / 73.8. Was 4 (with GEMM2) until session 40.
-pub const DEEP_GATED_GEMM1_FROM_TOKENS: usize = 6;
+/// (the half shape before it, from [`HALF_FROM_TOKENS`], at four blocks per SM from
+/// [`HALF4_GATED_GEMM1_FROM_TOKENS`]). Run 183 (Qwen3-30B-A3B, GEMM2 by the rule, GEMM1
+/// half4 / deep, µs, mean of two rounds): 8 tokens 60.1 / 60.4, 12 73.0 / 73.5, 16 81.8 /
+/// 81.5, 24 96.2 / 94.5, 32 104.1 / 102.3. Run 179 (GEMM1 half at three blocks / deep): 4
+/// tokens 44.8 / 48.3, 5 51.4 / 52.3, 6 55.6 / 55.3, 8 61.3 / 60.7, 12 76.2 / 73.8. Was 6 in
+/// session 40, 4 (with GEMM2) before.
+pub const DEEP_GATED_GEMM1_FROM_TOKENS: usize = 14;
+
+/// Routed NVFP4 experts of a gated layer: GEMM1 takes the half shape at four blocks per SM
+/// ([`GemmShape::Half4`]) from this many tokens until [`DEEP_GATED_GEMM1_FROM_TOKENS`]. Run 183
+/// (Qwen3-30B-A3B, GEMM2 by the rule, GEMM1 half at three / four blocks per SM, µs, mean of
+/// two rounds): 3 tokens **41.8** / 44.1, 4 44.5 / 44.7, 5 51.3 / **48.2**, 6 54.9 / **52.0**,
+/// 8 60.9 / 60.1, 12 75.8 / 73.0.
+pub const HALF4_GATED_GEMM1_FROM_TOKENS: usize = 5;
 
 /// Routed NVFP4 experts of a non-gated layer: both decode GEMMs take the deep shape from this
 /// many tokens (one token subtile only: above [`DEEP_NONGATED_ONE_SUBTILE_UP_TO_QUARTERS`]
@@ -858,7 +885,7 @@ mod tests {
 
     #[test]
     fn gemm_shape_follows_tokens_gemm_and_expert_kind() {
-        use GemmShape::{Deep, Narrow, Wide};
+        use GemmShape::{Deep, Half, Half4, Narrow, Wide};
         // (tokens, slots, GEMM1, gated layer, NVFP4)
         let shape = |t, s, g1, gated, fp4| GemmShape::chosen(t, s, None, g1, gated, fp4);
         // One expert: narrow up to 2 tokens, else wide, whatever the layer.
@@ -872,9 +899,12 @@ mod tests {
             assert_eq!(shape(3, 1, g1, gated, fp4), Wide);
             assert_eq!(shape(100, 1, g1, gated, fp4), Wide);
         }
-        // Routed NVFP4 experts: wide below HALF_FROM_TOKENS, then half, then deep from each
-        // GEMM's threshold; bf16 routed experts stay wide.
+        // Routed NVFP4 experts: wide below HALF_FROM_TOKENS, then half (a gated GEMM1's at
+        // four blocks per SM from HALF4_GATED_GEMM1_FROM_TOKENS), then deep from each GEMM's
+        // threshold; bf16 routed experts stay wide.
         let half = HALF_FROM_TOKENS;
+        let half4 = HALF4_GATED_GEMM1_FROM_TOKENS;
+        assert!(half < half4 && half4 < DEEP_GATED_GEMM1_FROM_TOKENS);
         for (g1, gated, from, k) in [
             (true, true, DEEP_GATED_GEMM1_FROM_TOKENS, 8),
             (false, true, DEEP_GATED_FROM_TOKENS, 8),
@@ -882,13 +912,18 @@ mod tests {
             (false, false, DEEP_NONGATED_FROM_TOKENS, 6),
         ] {
             assert!(half < from);
+            // Only a gated layer's GEMM1 has the four-block half kernel.
+            let last_half = if g1 && gated {
+                assert_eq!(shape(half4 - 1, k * (half4 - 1), g1, gated, true), Half);
+                assert_eq!(shape(half4, k * half4, g1, gated, true), Half4);
+                Half4
+            } else {
+                Half
+            };
             assert_eq!(shape(1, k, g1, gated, true), Wide);
             assert_eq!(shape(half - 1, k * (half - 1), g1, gated, true), Wide);
             assert_eq!(shape(half, k * half, g1, gated, true), GemmShape::Half);
-            assert_eq!(
-                shape(from - 1, k * (from - 1), g1, gated, true),
-                GemmShape::Half
-            );
+            assert_eq!(shape(from - 1, k * (from - 1), g1, gated, true), last_half);
             assert_eq!(shape(from, k * from, g1, gated, true), Deep);
             assert_eq!(shape(64, 128, g1, gated, true), Deep);
             assert_eq!(shape(half, k * half, g1, gated, false), Wide);
@@ -914,6 +949,17 @@ mod tests {
         assert_eq!(half_wide(1), ("half", 8, 4));
         assert_eq!(half_wide(2), ("wide", 16, 8));
         assert_eq!(half_wide(4), ("wide", 8, 4));
+        // Its four-block kernel: the same block shape.
+        for n in [1, 2, 4] {
+            assert_eq!(Half4.warps(n), Half.warps(n));
+            assert_eq!(Half4.rgpb(n), Half.rgpb(n));
+            assert_eq!(
+                gemm_smem(n, 2048, true, Half4),
+                gemm_smem(n, 2048, true, Half)
+            );
+        }
+        assert_eq!(Half4.name(1), "half4");
+        assert_eq!(Half4.name(2), "wide");
         // Its reduction buffer holds one K slice of 4 row groups; beyond one subtile it is the
         // wide shape's.
         assert_eq!(gemm_smem(1, 2048, true, GemmShape::Half), 8 * 2056 * 2);
@@ -936,6 +982,16 @@ mod tests {
             GemmShape::chosen(3, 23, half, true, true, false),
             GemmShape::Wide
         );
+        // Forced half4: a gated GEMM1's four-block kernel, the half shape elsewhere (the other
+        // half kernels run four blocks per SM already), wide on bf16 weights.
+        let h4 = Some(Half4);
+        assert_eq!(GemmShape::chosen(3, 23, h4, true, true, true), Half4);
+        for (g1, gated) in [(false, true), (true, false), (false, false)] {
+            assert_eq!(GemmShape::chosen(3, 23, h4, g1, gated, true), Half);
+        }
+        assert_eq!(GemmShape::chosen(3, 23, h4, true, true, false), Wide);
+        assert_eq!(knob_shape("half4:deep", true), Some(Some(Half4)));
+        assert_eq!(knob_shape("half4:deep", false), Some(Some(Deep)));
         // The knob: one shape for both GEMMs, or GEMM1:GEMM2 with `auto` for the rule.
         assert_eq!(knob_shape("deep", true), Some(Some(Deep)));
         assert_eq!(knob_shape("deep", false), Some(Some(Deep)));
@@ -961,18 +1017,20 @@ mod tests {
 
     #[test]
     fn subtiles_follow_tokens_per_expert_and_the_deep_shape() {
-        use GemmShape::{Deep, Half, Wide};
+        use GemmShape::{Deep, Half, Half4, Wide};
         // (tokens, mean tokens per expert in quarters rounded up, gated layer, shape)
         for gated in [true, false] {
-            // The half shape asks what the wide one asks (it exists for one subtile, else wide).
+            // The half shapes ask what the wide one asks (they exist for one subtile, else wide).
             for q in [1, 4 * 4, 4 * 4 + 1, 4 * 12, 4 * 12 + 1] {
                 let t = 100;
-                assert_eq!(
-                    subtiles_wanted(t, q, gated, Half),
-                    subtiles_wanted(t, q, gated, Wide)
-                );
+                for half in [Half, Half4] {
+                    assert_eq!(
+                        subtiles_wanted(t, q, gated, half),
+                        subtiles_wanted(t, q, gated, Wide)
+                    );
+                }
             }
-            for shape in [Wide, Deep, Half] {
+            for shape in [Wide, Deep, Half, Half4] {
                 assert_eq!(
                     subtiles_wanted(8, 4 * 64, gated, shape),
                     1,
