@@ -228,18 +228,20 @@ pub const DEEP_GATED_FROM_TOKENS: usize = 4;
 
 /// Routed NVFP4 experts of a gated layer: GEMM1 takes the deep shape from this many tokens
 /// (the half shape before it, from [`HALF_FROM_TOKENS`], at four blocks per SM from
-/// [`HALF4_GATED_GEMM1_FROM_TOKENS`]). Run 183 (Qwen3-30B-A3B, GEMM2 by the rule, GEMM1
-/// half4 / deep, µs, mean of two rounds): 8 tokens 60.1 / 60.4, 12 73.0 / 73.5, 16 81.8 /
-/// 81.5, 24 96.2 / 94.5, 32 104.1 / 102.3. Run 179 (GEMM1 half at three blocks / deep): 4
-/// tokens 44.8 / 48.3, 5 51.4 / 52.3, 6 55.6 / 55.3, 8 61.3 / 60.7, 12 76.2 / 73.8. Was 6 in
-/// session 40, 4 (with GEMM2) before.
+/// [`HALF4_GATED_GEMM1_FROM_TOKENS`]). Run 184 (Qwen3-30B-A3B, W4A16, GEMM2 by the rule,
+/// GEMM1 half4 / deep, µs, mean of two rounds): 6 tokens 51.9 / 55.2, 7 58.3 / 58.3, 8 60.0 /
+/// 60.5, 10 66.4 / 65.8, 12 72.8 / 73.7, 14 76.4 / 76.8, 16 81.5 / 81.5, 20 91.7 / 89.9 (the
+/// crossover is 10-16, where the two are within 1 %); run 183: 24 96.2 / 94.5, 32 104.1 /
+/// 102.3. Run 179 (GEMM1 half at three blocks / deep): 4 tokens 44.8 / 48.3, 5 51.4 / 52.3,
+/// 6 55.6 / 55.3, 8 61.3 / 60.7, 12 76.2 / 73.8. Was 6 in session 40, 4 (with GEMM2) before.
 pub const DEEP_GATED_GEMM1_FROM_TOKENS: usize = 14;
 
 /// Routed NVFP4 experts of a gated layer: GEMM1 takes the half shape at four blocks per SM
 /// ([`GemmShape::Half4`]) from this many tokens until [`DEEP_GATED_GEMM1_FROM_TOKENS`]. Run 183
 /// (Qwen3-30B-A3B, GEMM2 by the rule, GEMM1 half at three / four blocks per SM, µs, mean of
 /// two rounds): 3 tokens **41.8** / 44.1, 4 44.5 / 44.7, 5 51.3 / **48.2**, 6 54.9 / **52.0**,
-/// 8 60.9 / 60.1, 12 75.8 / 73.0.
+/// 8 60.9 / 60.1, 12 75.8 / 73.0; run 184 alike (3 42.1 / 43.9, 4 44.7 / 44.4, 5 51.4 / 48.2;
+/// W4A4 5 51.7 / 48.6). Three blocks per SM below (the gated half kernel since session 40).
 pub const HALF4_GATED_GEMM1_FROM_TOKENS: usize = 5;
 
 /// Routed NVFP4 experts of a non-gated layer: both decode GEMMs take the deep shape from this
