@@ -95,9 +95,9 @@ impl GemmShape {
     ///   35.0);
     /// - routed NVFP4 experts: deep from [`DEEP_GATED_GEMM1_FROM_TOKENS`] tokens for a gated
     ///   layer's GEMM1, [`DEEP_GATED_FROM_TOKENS`] for its GEMM2, [`DEEP_NONGATED_FROM_TOKENS`]
-    ///   for both of a non-gated one (runs 153, 177, 179, 183); below, half from
+    ///   for both of a non-gated one (runs 153, 177, 179, 184); below, half from
     ///   [`HALF_FROM_TOKENS`] (runs 178–180), a gated GEMM1's at four blocks per SM from
-    ///   [`HALF4_GATED_GEMM1_FROM_TOKENS`] (run 183), else wide. Run 138 (H200, µs per layer, wide /
+    ///   [`HALF4_GATED_GEMM1_FROM_TOKENS`] (runs 183–184), else wide. Run 138 (H200, µs per layer, wide /
     ///   deep both / deep GEMM1 only / deep GEMM2 only; wide the mean of two rounds): Qwen3 4
     ///   tokens 57.0 / 53.3 / 54.4 / 55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.3 / 125.8 /
     ///   131.8 / 134.6, 64 154.4 / 144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block
