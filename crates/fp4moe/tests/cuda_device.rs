@@ -946,8 +946,8 @@ fn assert_shapes_agree(
 /// the second slice starts in the other register buffer), 3 and 1, 2 and 3; both GEMMs, gated
 /// and not, W4A16 and W4A4; 16 tokens over 16 experts, top-4 (some experts take two passes).
 /// So does the half shape (8-warp blocks of 4 row groups; NVFP4 weights only, else the wide
-/// shape), also at four blocks per SM (a gated GEMM1's `half4` kernel); H 208 and I 80 (13 and 5 row groups, padded k groups) end both GEMMs in a partial
-/// block of every shape.
+/// shape), also at four blocks per SM (a gated GEMM1's `half4` kernel); H 208 and I 80 (13 and
+/// 5 row groups, padded k groups) end both GEMMs in a partial block of every shape.
 #[test]
 fn deep_decode_shape_matches_wide_bitwise() {
     if !common::gpu_available() {

@@ -46,22 +46,19 @@ pub enum GemmShape {
 }
 
 impl GemmShape {
-    /// The shape that runs `nsub` subtiles: the deep and half shapes exist for one subtile only.
+    /// The shape that runs `nsub` subtiles: every shape but narrow and wide (deep and the half
+    /// shapes) exists for one subtile only.
     pub(super) fn resolve(self, nsub: usize) -> Self {
         match self {
-            GemmShape::Deep | GemmShape::Half | GemmShape::Half4 if nsub != 1 => GemmShape::Wide,
+            GemmShape::Narrow | GemmShape::Wide => self,
+            _ if nsub != 1 => GemmShape::Wide,
             shape => shape,
         }
     }
-    /// Warps per block: 16, or 8 for the 32-token variants (register budget) and the deep and
-    /// half shapes.
+    /// Warps per block: 16, or 8 for the 32-token variants (register budget) and the
+    /// one-subtile shapes (deep, half).
     pub(super) fn warps(self, nsub: usize) -> usize {
-        if nsub == 4
-            || matches!(
-                self.resolve(nsub),
-                GemmShape::Deep | GemmShape::Half | GemmShape::Half4
-            )
-        {
+        if nsub == 4 || !matches!(self.resolve(nsub), GemmShape::Narrow | GemmShape::Wide) {
             8
         } else {
             16
@@ -97,9 +94,9 @@ impl GemmShape {
     ///   layer's GEMM1, [`DEEP_GATED_FROM_TOKENS`] for its GEMM2, [`DEEP_NONGATED_FROM_TOKENS`]
     ///   for both of a non-gated one (runs 153, 177, 179, 184); below, half from
     ///   [`HALF_FROM_TOKENS`] (runs 178–180), a gated GEMM1's at four blocks per SM from
-    ///   [`HALF4_GATED_GEMM1_FROM_TOKENS`] (runs 183–184), else wide. Run 138 (H200, µs per layer, wide /
-    ///   deep both / deep GEMM1 only / deep GEMM2 only; wide the mean of two rounds): Qwen3 4
-    ///   tokens 57.0 / 53.3 / 54.4 / 55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.3 / 125.8 /
+    ///   [`HALF4_GATED_GEMM1_FROM_TOKENS`] (runs 183–184), else wide. Run 138 (H200, µs per
+    ///   layer, wide / deep both / deep GEMM1 only / deep GEMM2 only; wide the mean of two
+    ///   rounds): Qwen3 4 tokens 57.0 / 53.3 / 54.4 / 55.4, 8 78.4 / 74.6 / 76.5 / 75.8, 32 141.3 / 125.8 /
     ///   131.8 / 134.6, 64 154.4 / 144.4 / 151.0 / 147.6 (its wide gated GEMM1 holds one block
     ///   per SM, whose start nothing hides); Nemotron 6 tokens 79.2 / 82.6 / 79.3 / 82.3, 8
     ///   95.7 / 98.4 / 99.8 / 94.5, 12 112.3 / 118.0 / 120.0 / 110.8, 32 177.8 / 173.8 / 177.7
