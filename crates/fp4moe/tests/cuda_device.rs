@@ -1163,6 +1163,54 @@ fn stream_decode_matches_mma_and_is_batch_invariant() {
     }
 }
 
+/// Token order: a token's output bits do not depend on where it sits in its batch. The batch
+/// reversed (rows of x and of the caller's logits) puts every token's pairs in other columns of
+/// its experts' tiles and other token subtiles, with the same expert counts (so the same tile
+/// plans and the same active order); each token's output must come back bit for bit. On the
+/// default path and on the decode and prefill paths forced, 9 to 1200 tokens over 32 experts
+/// top-4 (1.1 to 150 tokens per expert: one-subtile and multi-subtile decode, 32-token and
+/// larger prefill tiles), non-gated W4A16 and gated W4A4. (It is what would let the pair
+/// grouping drop its stable order within an expert: KERNEL_NOTES step 19(b).)
+#[test]
+fn outputs_do_not_depend_on_token_order() {
+    if !common::gpu_available() {
+        return;
+    }
+    let (h, e, k) = (1024, 32, 4);
+    let reversed =
+        |v: &[f32], row: usize| -> Vec<f32> { v.chunks(row).rev().flatten().copied().collect() };
+    for (act, quant) in [
+        (Activation::Relu2NoMul, QuantMode::W4A16),
+        (Activation::Silu, W4A4),
+    ] {
+        let s = spec(h, 512, e, k, act, quant);
+        for t in [9, 40, 200, 1200] {
+            let x = random_tokens(t, h, 9500 + t as u64);
+            let w = with_scales(&s, random_weights(&s, 9501).unwrap(), &x);
+            let logits = router_logits(&x, w.router.as_ref().unwrap(), h, e);
+            let (xr, lr) = (reversed(&x, h), reversed(&logits, e));
+            let mut layer = CudaLayer::new(&s, &w).unwrap();
+            for path in [None, Some(GemmPath::Decode), Some(GemmPath::Prefill)] {
+                layer.set_gemm_path(path);
+                let label = format!("{act} {quant} T {t} path {path:?}");
+                let (out, ids) = run_device(&layer, &x, &logits);
+                assert!(out.iter().any(|v| *v != 0.0), "{label}: all zeros");
+                let (out_r, ids_r) = run_device(&layer, &xr, &lr);
+                let ids_back: Vec<i32> = ids_r.chunks(k).rev().flatten().copied().collect();
+                assert_eq!(
+                    ids_back, ids,
+                    "{label}: the reversed batch routed differently"
+                );
+                assert!(
+                    same_bits(&reversed(&out_r, h), &out),
+                    "{label}: a token's output depends on its place in the batch"
+                );
+            }
+            println!("token order {act} {quant} T {t}: reversed batch bitwise equal on every path");
+        }
+    }
+}
+
 /// A caller's top-k may list one expert several times for a token: that expert then holds more
 /// pairs than the batch has tokens, beyond the rows the streaming decode kernels size their
 /// shared memory for (min(T, 8)); they take it in several passes (one token; two tokens run the
