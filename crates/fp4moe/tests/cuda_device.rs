@@ -1176,9 +1176,11 @@ fn outputs_do_not_depend_on_token_order() {
     if !common::gpu_available() {
         return;
     }
+    // The rows of `v` (`row` values each) in reverse order.
+    fn reversed<T: Copy>(v: &[T], row: usize) -> Vec<T> {
+        v.chunks(row).rev().flatten().copied().collect()
+    }
     let (h, e, k) = (1024, 32, 4);
-    let reversed =
-        |v: &[f32], row: usize| -> Vec<f32> { v.chunks(row).rev().flatten().copied().collect() };
     for (act, quant) in [
         (Activation::Relu2NoMul, QuantMode::W4A16),
         (Activation::Silu, W4A4),
@@ -1196,9 +1198,9 @@ fn outputs_do_not_depend_on_token_order() {
                 let (out, ids) = run_device(&layer, &x, &logits);
                 assert!(out.iter().any(|v| *v != 0.0), "{label}: all zeros");
                 let (out_r, ids_r) = run_device(&layer, &xr, &lr);
-                let ids_back: Vec<i32> = ids_r.chunks(k).rev().flatten().copied().collect();
                 assert_eq!(
-                    ids_back, ids,
+                    reversed(&ids_r, k),
+                    ids,
                     "{label}: the reversed batch routed differently"
                 );
                 assert!(
