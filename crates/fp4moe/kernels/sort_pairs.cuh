@@ -34,9 +34,10 @@ __device__ __forceinline__ int slot_passes(int count) {
 }
 __device__ __forceinline__ int slot_key(int count, int e) { return slot_passes(count) * 512 + (511 - e); }
 
-// Shared ints `active_by_passes` counts in: [MAX_EXPERTS / 32 chunks][SLOT_PASS_CAP + 1 passes]
-// (cuda::route_plan::SLOT_COUNT_INTS).
-#define SLOT_COUNT_INTS 512
+// Shared ints the expert ordering uses past the block sort's 33·E (cuda::route_plan::
+// SLOT_COUNT_INTS): `active_by_passes`' counts [MAX_EXPERTS / 32 chunks][SLOT_PASS_CAP + 1
+// passes], or `sort_pairs_few`'s pass masks (as many), 16 warp totals and 33 pass sums.
+#define SLOT_COUNT_INTS 576
 
 // Exclusive scan of v[0..n) in place by one warp; returns the total.
 __device__ int warp_exclusive_scan(int* v, int n) {
@@ -176,12 +177,107 @@ __device__ void finish_offsets(int experts, int* flags, int* offsets, int* activ
     active_by_passes(experts, offsets, active, num_active, slot_counts);
 }
 
+// SORT_FEW 0 (a timing knob): every one-block sort takes the general path of sort_pairs_block.
+#ifndef SORT_FEW
+#define SORT_FEW 1
+#endif
+
+// sort_pairs_block's outputs for at most 1024 pairs by a block of 1024 threads, in four phases
+// between three block barriers after the zeroing, with no serial section longer than a warp's
+// 32-value scan (the general version's offsets scan and active order run on warp 0 while 31
+// warps wait: ~10 K cycles for 48 pairs under ncu, run 190). Thread i is pair i (warp w holds
+// pairs [32w, 32w + 32)) and, for i < 32·⌈E/32⌉, expert i (warp c holds experts [32c, 32c + 32)):
+//   hist[w][e]  = pairs of expert e in warp w (match_any; its rows: the warps holding pairs);
+//   position(p) = offsets[e_p] + Σ_{v<w} hist[v][e_p] + #{lanes of w below p with e_p}, so the
+//                 same stable order as the general version;
+//   offsets     = a shuffle scan of the counts per expert warp plus the lower warps' totals;
+//   slot(x)     = #{active y: passes_y > passes_x} + #{active y < x: passes_y = passes_x}, from
+//                 masks[c][ps] (the chunk's active experts with ps passes: one match_any leader
+//                 writes each) and their suffix sums over ps (warp 31, a lane per ps): the same
+//                 `slot_key` order as active_by_passes.
+// Shared memory: the block sort's 33·E + SLOT_COUNT_INTS ints.
+__device__ void sort_pairs_few(const int* ids, int pairs, int experts, int* offsets, int* sorted, int* active,
+                               int* num_active, int* smem) {
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    const u32 below = (1u << lane) - 1;
+    const int rows = (pairs + 31) >> 5, chunks = (experts + 31) >> 5;
+    int* hist = smem;                  // [rows][E]
+    int* off = smem + 32 * experts;    // [E] exclusive offsets
+    int* masks = off + experts;        // [chunks][32 passes]
+    int* totals = masks + 16 * 32;     // [chunks] counts of each expert warp
+    int* sums = totals + 16;           // [33] active experts with ps passes or more
+    const bool pair = tid < pairs;
+    const int e = pair ? ids[tid] : -1 - lane;  // lanes past the pairs never match anyone
+    for (int i = tid; i < rows * experts; i += blockDim.x) hist[i] = 0;
+    for (int i = tid; i < chunks * 32; i += blockDim.x) masks[i] = 0;
+    __syncthreads();
+    const u32 peers = __match_any_sync(FULL_MASK, e);
+    if (pair && (peers & below) == 0) hist[w * experts + e] = __popc(peers);
+    __syncthreads();
+    int pos = 0;
+    if (pair) {
+        pos = __popc(peers & below);
+        for (int v = 0; v < w; v++) pos += hist[v * experts + e];
+    }
+    const bool expert_warp = w < chunks;
+    int count = 0, incl = 0, ps = -1;
+    if (expert_warp) {
+        if (tid < experts)
+            for (int v = 0; v < rows; v++) count += hist[v * experts + tid];
+        incl = count;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl += y;
+        }
+        if (lane == 31) totals[w] = incl;
+        ps = count > 0 ? slot_passes(count) : -1;
+        const u32 same = __match_any_sync(FULL_MASK, ps);
+        if (ps >= 0 && (same & below) == 0) masks[w * 32 + ps] = same;
+    }
+    __syncthreads();
+    if (expert_warp) {
+        int base = 0;
+        for (int v = 0; v < w; v++) base += totals[v];
+        if (tid < experts) {
+            off[tid] = base + incl - count;
+            offsets[tid] = base + incl - count;
+        }
+        if (tid == experts - 1) offsets[experts] = base + incl;
+    } else if (w == 31) {
+        // Lane l: active experts with l passes or more (lane 0: all of them).
+        int n = 0;
+        for (int c = 0; c < chunks; c++) n += __popc(masks[c * 32 + lane]);
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_down_sync(FULL_MASK, n, o);
+            if (lane + o < 32) n += y;
+        }
+        sums[lane] = n;
+        if (lane == 0) {
+            sums[32] = 0;
+            num_active[0] = n;
+        }
+    }
+    __syncthreads();
+    if (pair) sorted[off[e] + pos] = tid;
+    if (ps >= 0) {
+        int slot = sums[ps + 1] + __popc(masks[w * 32 + ps] & below);
+        for (int c = 0; c < w; c++) slot += __popc(masks[c * 32 + ps]);
+        active[slot] = tid;
+    }
+}
+
 // The whole sort of `pairs` pairs by one block of 1024 threads (32 warps). Shared memory `hist`:
 // 33·E + SLOT_COUNT_INTS ints ([32][E] histograms, flags[E], the pass counts). `ids` may have
 // been written by this block before a __syncthreads (route_small): plain loads, no read-only
 // cache.
 __device__ void sort_pairs_block(const int* ids, int pairs, int experts, int* offsets, int* sorted,
                                  int* active, int* num_active, int* hist) {
+    if (SORT_FEW && pairs <= 1024 && blockDim.x == 1024) {
+        sort_pairs_few(ids, pairs, experts, offsets, sorted, active, num_active, hist);
+        return;
+    }
     int* flags = hist + 32 * experts;
     for (int i = threadIdx.x; i < 32 * experts; i += blockDim.x) hist[i] = 0;
     __syncthreads();

@@ -257,7 +257,8 @@ fn mma_decode_layer(
 }
 
 /// The grouping's expert order (`assert_grouping`, in `run_device`) from every sort: one warp (at
-/// most 32 pairs: route_small's fused path), one block (up to 4096 pairs; 512 experts, 64, 128)
+/// most 32 pairs: route_small's fused path), one block (`sort_pairs_few` up to 1024 pairs, then
+/// the general version up to 4096; 512 experts, 160, 128, 64, 20)
 /// and the chunked count / scan / place kernels (above 4096 pairs), each with (nearly) every
 /// expert in one 8-token pass (the order by id) and with busier ones; skewed so that the counts
 /// spread over several passes (experts 5 and 9 get a boost on three tokens of four and one of
@@ -277,6 +278,11 @@ fn grouping_orders_experts_by_their_passes() {
         (512, 8, 30, false),
         (64, 6, 200, true),
         (128, 8, 1000, true),
+        // sort_pairs_few up to 1024 pairs (E not a multiple of 32; 32 pair warps; E under one
+        // warp), the general block sort from 1025.
+        (160, 8, 128, true),
+        (160, 5, 205, true),
+        (20, 4, 7, false),
     ] {
         let s = spec(256, 128, e, k, Activation::Relu2NoMul, QuantMode::W4A16);
         let x = random_tokens(tokens, 256, 9100 + tokens as u64);

@@ -13,10 +13,11 @@ pub(super) const SORT_CHUNK: usize = 2048;
 /// Most pairs the one-block pair sort (`sort_pairs`, and `route_small`'s sort) takes.
 pub(super) const SORT_ONE_BLOCK_MAX: usize = 2 * SORT_CHUNK;
 
-/// Shared ints the pair sort's expert ordering counts in after its `33·E` (`sort_pairs`,
-/// `route_small`) or `E` (`scan_pair_counts`): `[MAX_EXPERTS / 32][32]` pass counts
-/// (`SLOT_COUNT_INTS` in sort_pairs.cuh).
-pub(super) const SLOT_COUNT_INTS: usize = 512;
+/// Shared ints the pair sort's expert ordering uses after its `33·E` (`sort_pairs`,
+/// `route_small`) or `E` (`scan_pair_counts`): `[MAX_EXPERTS / 32][32]` pass counts, or
+/// `sort_pairs_few`'s as many pass masks, 16 warp totals and 33 pass sums (`SLOT_COUNT_INTS`
+/// in sort_pairs.cuh).
+pub(super) const SLOT_COUNT_INTS: usize = 576;
 
 /// Largest token count routed by the fused `route_small` kernel by default. The fused kernel
 /// saves three launches but runs top-k, the sort and the input preparation of the whole batch
@@ -387,7 +388,9 @@ mod tests {
         let define = |name| compile::kernel_define("sort_pairs.cuh", name);
         assert_eq!(define("SLOT_COUNT_INTS"), SLOT_COUNT_INTS);
         let chunks = crate::cuda::MAX_EXPERTS.div_ceil(32);
-        assert_eq!(chunks * (define("SLOT_PASS_CAP") + 1), SLOT_COUNT_INTS);
+        let per_pass = chunks * (define("SLOT_PASS_CAP") + 1);
+        // sort_pairs_few: as many pass masks, then a total per 32-expert chunk and 33 pass sums.
+        assert!(per_pass + chunks + 33 <= SLOT_COUNT_INTS);
         // Warp 0 scans the counts with one lane per passes value.
         assert_eq!(define("SLOT_PASS_CAP"), 31);
     }
@@ -477,10 +480,11 @@ mod tests {
             Fused
         );
         // Shared memory: top-k scratch (2·E + 64 floats per warp, at most 16 warps) or the
-        // sort's 33·E + 512 ints, whichever is larger.
-        assert_eq!(route_small_smem(1, 128, true), 4 * (33 * 128 + 512));
+        // sort's 33·E + 576 ints, whichever is larger.
+        assert_eq!(route_small_smem(1, 128, true), 4 * (33 * 128 + 576));
         assert_eq!(route_small_smem(16, 256, true), 4 * 16 * (2 * 256 + 64));
-        assert_eq!(route_small_smem(100, 512, true), 4 * 16 * (2 * 512 + 64));
-        assert_eq!(route_small_smem(16, 512, false), 4 * (33 * 512 + 512));
+        // At E = 512 the sort's (17472 ints) passes 16 warps' top-k scratch (17408 floats).
+        assert_eq!(route_small_smem(100, 512, true), 4 * (33 * 512 + 576));
+        assert_eq!(route_small_smem(16, 512, false), 4 * (33 * 512 + 576));
     }
 }
