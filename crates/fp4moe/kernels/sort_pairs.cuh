@@ -6,7 +6,9 @@
 // with at least one pair, those needing most 8-token passes first (ties in increasing id;
 // `slot_key`), num_active[0] = n. A 1024-thread block splits its pairs over its 32 warps; a
 // per-warp histogram (int [32][E] in shared memory, E <= 512) and match_any ranks place pairs
-// stably with no atomics.
+// stably with no atomics. Up to 1024 pairs `sort_pairs_few` gives the same outputs with a pair
+// per thread and no serial section (session 43); the chunked kernels of sort_pairs.cu take
+// batches beyond one block.
 #pragma once
 #include "common.cuh"
 
