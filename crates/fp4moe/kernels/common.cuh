@@ -165,6 +165,18 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Inclusive prefix sum of v over the warp's lanes: lane l gets v of lanes 0..l (all 32 lanes
+// take part).
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(FULL_MASK, v, o);
+        if (lane >= o) v += y;
+    }
+    return v;
+}
+
 // D += A·B for one m16n8k16 bf16 tile (A row-major 16x16, B col-major 16x8, f32 accumulators).
 // Fragments (g = lane/4, q = lane%4): a[0] = A(g, 2q..2q+1), a[1] = A(g+8, 2q..), a[2] = A(g, 2q+8..),
 // a[3] = A(g+8, 2q+8..); b[0] = B(2q..2q+1, g), b[1] = B(2q+8.., g); d[0..1] = D(g, 2q..2q+1),

@@ -327,12 +327,7 @@ __device__ __forceinline__ void find_tile(const GemmParams& p, int* tile, int* s
 #pragma unroll
     for (int i = 0; i < PER; i++)
         if (i < per && e0 + i < p.experts) cnt += (off[i + 1] - off[i] + NT - 1) / NT;
-    int incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += y;
-    }
+    const int incl = warp_inclusive_sum(cnt);
     if (lane == 31) scratch[warp] = incl;
     if (tid == 0) tile[0] = -1;
     __syncthreads();

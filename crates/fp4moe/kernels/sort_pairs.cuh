@@ -48,12 +48,7 @@ __device__ int warp_exclusive_scan(int* v, int n) {
     int lo = min(lane * per, n), hi = min(lo + per, n);
     int local = 0;
     for (int i = lo; i < hi; i++) local += v[i];
-    int incl = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        int y = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += y;
-    }
+    const int incl = warp_inclusive_sum(local);
     int run = incl - local;
     for (int i = lo; i < hi; i++) {
         int c = v[i];
@@ -140,12 +135,7 @@ __device__ void active_by_passes(int experts, const int* offsets, int* active, i
         const int ps = SLOT_PASS_CAP - lane;  // lane 0: the most passes, first
         int total = 0;
         for (int c = 0; c < chunks; c++) total += counts[c * 32 + ps];
-        int incl = total;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= o) incl += y;
-        }
+        const int incl = warp_inclusive_sum(total);
         int run = incl - total;
         for (int c = 0; c < chunks; c++) {
             const int n = counts[c * 32 + ps];
@@ -226,12 +216,7 @@ __device__ void sort_pairs_few(const int* ids, int pairs, int experts, int* offs
     if (expert_warp) {
         if (tid < experts)
             for (int v = 0; v < rows; v++) count += hist[v * experts + tid];
-        incl = count;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= o) incl += y;
-        }
+        incl = warp_inclusive_sum(count);
         if (lane == 31) totals[w] = incl;
         ps = count > 0 ? slot_passes(count) : -1;
         const u32 same = __match_any_sync(FULL_MASK, ps);
