@@ -417,6 +417,11 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
                                       int* __restrict__ ids, float* __restrict__ weights, int tokens,
                                       int experts, int top_k, int scoring, int n_group, int topk_group,
                                       int renormalize, float rsf) {
+    // The bias is a weight (no predecessor writes it), and between forwards the expert weights
+    // stream through L2 and evict it: its lines start towards L1 before the wait, so its loads
+    // below need not go to DRAM after the logits are ready.
+    if (TOPK_BIAS_PREFETCH && bias && threadIdx.x < 32 && threadIdx.x * 32 < experts)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(bias + threadIdx.x * 32));
     pdl_enter();
     extern __shared__ float smem[];
     int wib = threadIdx.x >> 5;

@@ -11,6 +11,16 @@
 #pragma once
 #include "common.cuh"
 
+// TOPK_LEAN 0 (a timing knob): the register top-k's ids and weights by lane 0 alone (chosen
+// scores through shared memory, then k serial divisions), the form before session 44.
+#ifndef TOPK_LEAN
+#define TOPK_LEAN 1
+#endif
+// TOPK_BIAS_PREFETCH 0 (a timing knob): route_topk requests the bias only after its wait.
+#ifndef TOPK_BIAS_PREFETCH
+#define TOPK_BIAS_PREFETCH 1
+#endif
+
 // logits[t, e] = x[t, :] · w[e, :] in f32 by `slices` warps (router_slices: RL_SLICES for up to
 // RL_SLICED_MAX_LOGITS logits, else 1): warp s sums k slice s (router_logit_slice), then the
 // slices are added in order. With hidden % 4 == 0
@@ -90,13 +100,17 @@ __device__ __forceinline__ u32 total_key(float v) {
 // ceil(n / 32), keys read through `key_of(j)` each round): the untaken entry with the largest
 // key, ties to the lowest id, returned to every lane and marked in its lane's `taken` (bit j).
 // Two warp reductions (`redux.sync`) per round where a shuffle argmax took ten shuffles.
+// VAL: `val` receives the winner's val_of(j) in every lane (one shuffle
+// from its owner, which tracks it beside its best key: a select per slot, where a select of
+// slot id / 32 after the round became a local-memory array in the 8-slot instantiation).
 // Callers ask for at most n rounds (top_k <= E, topk_group <= n_group: host checks).
-template <int NPL, typename KeyOf>
-__device__ __forceinline__ int warp_top1(KeyOf key_of, int n, u32& taken) {
+template <int NPL, bool VAL = false, typename KeyOf, typename ValOf = int>
+__device__ __forceinline__ int warp_top1(KeyOf key_of, int n, u32& taken, ValOf val_of = 0, float* val = nullptr) {
     const int lane = threadIdx.x & 31;
     const int slots = NPL > 0 ? NPL : (n + 31) / 32;
     u32 bk = 0;
     int bj = -1;
+    float bv = 0.0f;
 #pragma unroll
     for (int j = 0; j < (NPL > 0 ? NPL : 32); j++) {
         if (NPL == 0 && j >= slots) break;
@@ -105,6 +119,7 @@ __device__ __forceinline__ int warp_top1(KeyOf key_of, int n, u32& taken) {
         if (bj < 0 || k > bk) {  // ascending j: the first of equal keys has the lowest id
             bk = k;
             bj = j;
+            if constexpr (VAL) bv = val_of(j);
         }
     }
     const u32 mk = __reduce_max_sync(FULL_MASK, bk);
@@ -113,6 +128,7 @@ __device__ __forceinline__ int warp_top1(KeyOf key_of, int n, u32& taken) {
     const u32 mine = bj >= 0 && bk == mk ? (u32)(lane + 32 * bj) : 0xffffffffu;
     const int id = (int)__reduce_min_sync(FULL_MASK, mine);
     if (bj >= 0 && id == lane + 32 * bj) taken |= 1u << bj;
+    if constexpr (VAL) *val = __shfl_sync(FULL_MASK, bv, id & 31);
     return id;
 }
 
@@ -142,6 +158,7 @@ __device__ __forceinline__ void topk_token_impl(const float* l, const float* bia
     float* gsc = biased + experts;  // [32] group scores, [32] chosen scores
     float* chosen = gsc + 32;
     float bv[R];
+    float s[R];  // NPL > 0: the lane's scores, slot j = expert lane + 32·j
 
     if (NPL > 0) {
         float x[R], b[R];
@@ -151,7 +168,6 @@ __device__ __forceinline__ void topk_token_impl(const float* l, const float* bia
             x[j] = e < experts ? load_logit<L2>(l + e) : 0.0f;
             b[j] = bias && e < experts ? bias[e] : 0.0f;
         }
-        float s[R];
         if (scoring == 0) {
             float m = -INFINITY;
 #pragma unroll
@@ -185,14 +201,14 @@ __device__ __forceinline__ void topk_token_impl(const float* l, const float* bia
             float m = -INFINITY;
             for (int e = lane; e < experts; e += 32) m = fmaxf(m, load_logit<L2>(l + e));
             m = warp_max(m);
-            float s = 0.0f;
+            float sum = 0.0f;
             for (int e = lane; e < experts; e += 32) {
                 float v = expf(load_logit<L2>(l + e) - m);
                 scores[e] = v;
-                s += v;
+                sum += v;
             }
-            s = warp_sum(s);
-            for (int e = lane; e < experts; e += 32) scores[e] = scores[e] / s;
+            sum = warp_sum(sum);
+            for (int e = lane; e < experts; e += 32) scores[e] = scores[e] / sum;
         } else {
             for (int e = lane; e < experts; e += 32) scores[e] = 1.0f / (1.0f + expf(-load_logit<L2>(l + e)));
         }
@@ -240,18 +256,41 @@ __device__ __forceinline__ void topk_token_impl(const float* l, const float* bia
         else return total_key(biased[lane + 32 * j]);
     };
     u32 taken = 0;
-    for (int r = 0; r < top_k; r++) {
-        const int e = warp_top1<NPL>(key_of, experts, taken);
-        if (lane == 0) {
-            ids[r] = e;
-            chosen[r] = scores[e];
+    if constexpr (NPL > 0 && TOPK_LEAN) {
+        // Round r's score reaches every lane from its owner (warp_top1's `val`), every lane adds
+        // the scores in rank order from 0 (lane 0's sum below, bit for bit), and lane r keeps
+        // round r's id and score: the k divisions run in k lanes at once, with no shared-memory
+        // round trip per round.
+        float sum = 0.0f, my_score = 0.0f;
+        int my_id = 0;
+        for (int r = 0; r < top_k; r++) {
+            float c;
+            const int e = warp_top1<NPL, true>(key_of, experts, taken, [&](int j) { return s[j]; }, &c);
+            sum += c;
+            if (lane == r) {
+                my_id = e;
+                my_score = c;
+            }
         }
-    }
-    if (lane == 0) {
-        float s = 0.0f;
-        for (int r = 0; r < top_k; r++) s += chosen[r];
-        if (!renormalize || s == 0.0f) s = 1.0f;
-        for (int r = 0; r < top_k; r++) weights[r] = chosen[r] / s * rsf;
+        if (!renormalize || sum == 0.0f) sum = 1.0f;
+        if (lane < top_k) {
+            ids[lane] = my_id;
+            weights[lane] = my_score / sum * rsf;
+        }
+    } else {
+        for (int r = 0; r < top_k; r++) {
+            const int e = warp_top1<NPL>(key_of, experts, taken);
+            if (lane == 0) {
+                ids[r] = e;
+                chosen[r] = scores[e];
+            }
+        }
+        if (lane == 0) {
+            float sum = 0.0f;
+            for (int r = 0; r < top_k; r++) sum += chosen[r];
+            if (!renormalize || sum == 0.0f) sum = 1.0f;
+            for (int r = 0; r < top_k; r++) weights[r] = chosen[r] / sum * rsf;
+        }
     }
     __syncwarp();  // the warp may take another token into the same scratch next
 }

@@ -258,7 +258,7 @@ fn mma_decode_layer(
 
 /// The grouping's expert order (`assert_grouping`, in `run_device`) from every sort: one warp (at
 /// most 32 pairs: route_small's fused path), one block (`sort_pairs_few` up to 1024 pairs, then
-/// the general version up to 4096; 512 experts, 160, 128, 64, 20)
+/// the general version up to 4096; 512 experts, 160, 128, 100, 64, 20)
 /// and the chunked count / scan / place kernels (above 4096 pairs), each with (nearly) every
 /// expert in one 8-token pass (the order by id) and with busier ones; skewed so that the counts
 /// spread over several passes (experts 5 and 9 get a boost on three tokens of four and one of
@@ -279,10 +279,13 @@ fn grouping_orders_experts_by_their_passes() {
         (64, 6, 200, true),
         (128, 8, 1000, true),
         // sort_pairs_few up to 1024 pairs (E not a multiple of 32; 32 pair warps; E under one
-        // warp), the general block sort from 1025.
+        // warp), the general block sort from 1025 (1800 pairs with E not a multiple of 32,
+        // 2048 at E 512).
         (160, 8, 128, true),
         (160, 5, 205, true),
         (20, 4, 7, false),
+        (100, 6, 300, true),
+        (512, 8, 256, true),
     ] {
         let s = spec(256, 128, e, k, Activation::Relu2NoMul, QuantMode::W4A16);
         let x = random_tokens(tokens, 256, 9100 + tokens as u64);

@@ -84,11 +84,27 @@ impl BenchLayers {
 
     /// One workspace per input set (each `[tokens, H]`), its input uploaded and one eager
     /// forward run (module load, first touch) before any capture.
-    fn workspaces(&self, inputs: &[Vec<f32>]) -> Result<Vec<CudaWorkspace>> {
+    ///
+    /// FP4MOE_BENCH_PAD_KB (diagnostic, unset by default): a device allocation of that many
+    /// KiB made first and held while the workspaces live, which moves them; with
+    /// FP4MOE_BENCH_PER_GRAPH set, the first workspace's buffer addresses go to stderr. For
+    /// KERNEL_NOTES step 20(d): one size timed in different token lists differed by ~5–8 %.
+    fn workspaces(
+        &self,
+        inputs: &[Vec<f32>],
+    ) -> Result<(Vec<CudaWorkspace>, Option<cudarc::driver::CudaSlice<u8>>)> {
         let layers = &self.layers;
         let st = layers[0].stream().clone();
         let hidden = layers[0].spec.shape.hidden;
         let tokens = inputs.first().map_or(0, |x| x.len() / hidden);
+        let pad_kb = std::env::var("FP4MOE_BENCH_PAD_KB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&kb| kb > 0);
+        let pad = pad_kb
+            .map(|kb| st.alloc_zeros::<u8>(kb * 1024))
+            .transpose()
+            .map_err(driver_err("bench padding allocation"))?;
         let mut wss: Vec<CudaWorkspace> = Vec::new();
         for x in inputs {
             let mut ws = layers[0].workspace(tokens)?;
@@ -100,13 +116,18 @@ impl BenchLayers {
             layers[i % layers.len()].forward_device(ws, None)?;
         }
         st.synchronize().map_err(driver_err("synchronize"))?;
-        Ok(wss)
+        if std::env::var_os("FP4MOE_BENCH_PER_GRAPH").is_some() {
+            if let Some(ws) = wss.first() {
+                eprintln!("workspace 0 at: {}", ws.addresses(&st).join("  "));
+            }
+        }
+        Ok((wss, pad))
     }
 
     /// Times `tokens`-token forwards of the whole layer: `inputs` token sets (each
     /// `[tokens, H]`), one CUDA graph per (weight copy, input), replayed as `plan` says.
     pub fn time(&mut self, inputs: &[Vec<f32>], plan: TimingPlan) -> Result<Timing> {
-        let mut wss = self.workspaces(inputs)?;
+        let (mut wss, _pad) = self.workspaces(inputs)?;
         let layers = &self.layers;
         let times = replay_times(layers, &mut wss, &plan)?;
         if let Some(report) = layers[0].one_token_trace_report(&wss[0])? {
@@ -135,7 +156,7 @@ impl BenchLayers {
         plan: TimingPlan,
         whole_us: f64,
     ) -> Result<Vec<f64>> {
-        let mut wss = self.workspaces(inputs)?;
+        let (mut wss, _pad) = self.workspaces(inputs)?;
         let prefix = stage_prefixes(&mut self.layers, &mut wss, &plan);
         // Whole forwards again, whether or not the cut graphs ran.
         for layer in self.layers.iter_mut() {
@@ -182,22 +203,38 @@ fn replay_times(
     let iterations = plan.iterations;
     let st = layers[0].stream().clone();
     let dev = layers[0].device();
+    let capture = |layer: &CudaLayer, ws: &mut CudaWorkspace, i: usize| {
+        st.begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver_err("graph capture"))?;
+        let r = layer.forward_device(ws, None);
+        let g = st
+            .end_capture(dsys::CUgraphInstantiate_flags(0))
+            .map_err(driver_err("graph capture"))?;
+        r?;
+        g.ok_or_else(|| Error::Cuda {
+            stage: "graph capture",
+            message: format!("nothing captured for input {i}"),
+        })
+    };
     let mut graphs = Vec::new();
     for (i, ws) in wss.iter_mut().enumerate() {
         for layer in layers {
-            st.begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(driver_err("graph capture"))?;
-            let r = layer.forward_device(ws, None);
-            let g = st
-                .end_capture(dsys::CUgraphInstantiate_flags(0))
-                .map_err(driver_err("graph capture"))?;
-            r?;
-            graphs.push(g.ok_or_else(|| Error::Cuda {
-                stage: "graph capture",
-                message: format!("nothing captured for input {i}"),
-            })?);
+            graphs.push(capture(layer, ws, i)?);
         }
     }
+    // FP4MOE_BENCH_EXTRA_GRAPHS (diagnostic, unset by default): that many more graphs of the
+    // first forward, instantiated after the timed ones and held, never launched, until the
+    // timing ends (KERNEL_NOTES step 20(d): is a slower call tied to its graphs' count?).
+    let extra = std::env::var("FP4MOE_BENCH_EXTRA_GRAPHS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0);
+    let _extra_graphs = match wss.first_mut() {
+        Some(ws) => (0..extra)
+            .map(|_| capture(&layers[0], ws, 0))
+            .collect::<Result<Vec<_>>>()?,
+        None => Vec::new(),
+    };
     let ev = || {
         dev.ctx
             .new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT))
