@@ -18,7 +18,10 @@
 # e.g. "w4a16 w4a4"), AB_SANITIZER (compute-sanitizer tools run beside the tests, before the
 # benches, e.g. "memcheck racecheck synccheck", on cuda_device's tests named by
 # AB_SANITIZER_FILTER, default one_token; options of a tool after commas; AB_SANITIZER_TIMEOUT,
-# 200 s), AB_BENCH_ARGS (more `fp4moe bench` arguments, e.g. --stages). Variants of kernel
+# 200 s), AB_BENCH_ARGS (more `fp4moe bench` arguments, e.g. --stages), AB_SETTLE_MS and
+# AB_MIN_TIME_MS (0 and 0: the A/B rounds time each size over ~30 ms after 300 ms of warm-up, as
+# before session 44, at a third of the device time; every variant sees the same clock dips at
+# the same place of the token list; the sweep keeps `fp4moe bench`'s defaults). Variants of kernel
 # defines (a build with FP4MOE_DEFINES: wip/mma-steps, or the timing-only ablations of
 # docs/experiments/prefill-ablate.patch): BIN@FP4MOE_DEFINES=PF_ABLATE_EPI+PF_ABLATE_ACT
 # (defines joined by +). Prints the medians of every A/B run last.
@@ -118,7 +121,8 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
         # same call gets a suffix instead of overwriting the earlier results (run 105 lost some).
         while [ -e "$R/ab-$tag.txt" ]; do tag="$tag+"; done
         run_variant "$v" bench --preset "$preset" --mode "$mode" --tokens "${AB_TOKENS:-1,8,64,256,1024,4096,16384}" \
-          --backend cuda ${AB_BENCH_ARGS:-} --json "$R/ab-$tag.json" > "$R/ab-$tag.txt" 2>&1
+          --backend cuda --settle-ms "${AB_SETTLE_MS:-0}" --min-time-ms "${AB_MIN_TIME_MS:-0}" ${AB_BENCH_ARGS:-} \
+          --json "$R/ab-$tag.json" > "$R/ab-$tag.txt" 2>&1
       done
     done
   done

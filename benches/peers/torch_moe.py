@@ -9,6 +9,7 @@ usage: python3 benches/peers/torch_moe.py --preset nemotron3-nano --tokens 1,8,6
 """
 import argparse
 import json
+import math
 
 import torch
 
@@ -62,7 +63,10 @@ def moe(m, x):
     return y
 
 
-def bench(m, t, iters, warmup_ms, device):
+def bench(m, t, iters, warmup_ms, settle_ms, min_time_ms, busy, device):
+    """Median and min µs of graph replays at t tokens, timed as `fp4moe bench` times them: a
+    warm-up of warmup_ms (and until busy[0], the GPU ms replayed so far, reaches settle_ms),
+    then whole rounds of the four inputs for at least iters replays and min_time_ms."""
     xs = [torch.randn(t, m["h"], device=device).to(torch.bfloat16) for _ in range(4)]
     static_x = xs[0].clone()
     for _ in range(3):
@@ -72,20 +76,28 @@ def bench(m, t, iters, warmup_ms, device):
     with torch.cuda.graph(graph):
         moe(m, static_x)
     # Untimed replays for at least warmup_ms of GPU time, as `fp4moe bench --warmup-ms`: under a
-    # sustained load the H200 reaches its power cap within ~100 ms and lowers its clock.
+    # sustained load the H200 reaches its power cap within ~100 ms and lowers its clock; from
+    # idle its clock dips hardest ~0.8 s in (`--settle-ms`).
     start = torch.cuda.Event(enable_timing=True)
     start.record()
+    replays = 0
+    target = max(warmup_ms, settle_ms - busy[0])
     while True:
         for x in xs:
             static_x.copy_(x)
             graph.replay()
+        replays += len(xs)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         end.synchronize()
-        if start.elapsed_time(end) >= warmup_ms:
+        warmed = start.elapsed_time(end)
+        if warmed >= target:
             break
+    # Whole rounds for at least min_time_ms: the clock dips about once a second under the cap.
+    n = max(iters, math.ceil(min_time_ms / (warmed / replays)))
+    n = -(-n // len(xs)) * len(xs)
     times = []
-    for it in range(iters + 10):
+    for it in range(n + 10):
         static_x.copy_(xs[it % 4])
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
@@ -95,6 +107,7 @@ def bench(m, t, iters, warmup_ms, device):
             times.append((s, e))
     torch.cuda.synchronize()
     us = sorted(s.elapsed_time(e) * 1e3 for s, e in times)
+    busy[0] += warmed + sum(us) / 1e3
     return us[len(us) // 2], us[0]
 
 
@@ -119,6 +132,10 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--warmup-ms", type=float, default=300.0,
                     help="GPU time of untimed replays before the timed ones (fp4moe bench's default)")
+    ap.add_argument("--settle-ms", type=float, default=1500.0,
+                    help="the first sizes' warm-up lasts until this much GPU time was replayed in all")
+    ap.add_argument("--min-time-ms", type=float, default=1000.0,
+                    help="GPU time the timed replays of a size last at least")
     a = ap.parse_args()
     device = "cuda"
     m = build(a.preset, device)
@@ -127,12 +144,14 @@ def main():
     per_expert = s * m["i"] * m["h"] + m["h"] * m["i"]
     print(f"torch bf16 _grouped_mm + CUDA graph: {a.preset} on {torch.cuda.get_device_name()}, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s, torch {torch.__version__}, "
-          f"timed after {a.warmup_ms:g} ms of warm-up")
+          f"timed after {a.warmup_ms:g} ms of warm-up ({a.settle_ms:g} ms in all first), "
+          f"over {a.min_time_ms:g} ms at least")
     print(f"{'tokens':>6} {'median µs':>11} {'min µs':>11} {'experts':>8} {'mem floor µs':>13} "
           f"{'comp floor µs':>14} {'time/floor':>11} {'TFLOP/s':>9}")
     rows = []
+    busy = [0.0]
     for t in [int(v) for v in a.tokens.split(",")]:
-        med, mn = bench(m, t, 40 if t >= 1024 else 200, a.warmup_ms, device)
+        med, mn = bench(m, t, 40 if t >= 1024 else 200, a.warmup_ms, a.settle_ms, a.min_time_ms, busy, device)
         x = torch.randn(t, m["h"], device=device).to(torch.bfloat16)
         logits = x.float() @ m["router"].T
         sc = torch.sigmoid(logits) if m["scoring"] == "sigmoid" else torch.softmax(logits, -1)
@@ -149,7 +168,8 @@ def main():
                          memory_floor_us=mem_floor, compute_floor_us=comp_floor, useful_tflops=tfl))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(preset=a.preset, backend="torch-bf16-grouped_mm-graph", warmup_ms=a.warmup_ms, results=rows), f, indent=1)
+            json.dump(dict(preset=a.preset, backend="torch-bf16-grouped_mm-graph", warmup_ms=a.warmup_ms,
+                           settle_ms=a.settle_ms, min_time_ms=a.min_time_ms, results=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,17 @@ pub(crate) struct Args {
     /// times that steady state. 0: three warm-up rounds only (the boost clock, mostly).
     #[arg(long, default_value_t = 300.0)]
     pub warmup_ms: f64,
+    /// CUDA: the first sizes' warm-up lasts until this many ms of GPU time have been replayed
+    /// in all: from idle the H200 reaches its power cap ~0.8 s into a sustained load, and its
+    /// clock dips hardest right then. 0: no such wait.
+    #[arg(long, default_value_t = 1500.0)]
+    pub settle_ms: f64,
+    /// CUDA: the timed replays of a size last at least this many ms of GPU time (and
+    /// `--iterations` replays): under the power cap the clock dips about once a second for
+    /// ~0.2–0.3 s, and a short window that falls into a dip times 4–10 % high. 0: the
+    /// iterations alone.
+    #[arg(long, default_value_t = 1000.0)]
+    pub min_time_ms: f64,
     /// CUDA: also time each stage (routing, GEMM1, GEMM2, combine): what it adds to a
     /// replay of the layer cut after it (graphs of each prefix, timed after every size's
     /// whole layer).
@@ -98,11 +109,14 @@ pub(crate) fn run(a: Args) -> Result<()> {
     if a.inputs == 0 {
         bail!("--inputs must be at least 1");
     }
-    if !(a.warmup_ms.is_finite() && a.warmup_ms >= 0.0) {
-        bail!(
-            "--warmup-ms must be a number of milliseconds >= 0, not {}",
-            a.warmup_ms
-        );
+    for (flag, ms) in [
+        ("--warmup-ms", a.warmup_ms),
+        ("--settle-ms", a.settle_ms),
+        ("--min-time-ms", a.min_time_ms),
+    ] {
+        if !(ms.is_finite() && ms >= 0.0) {
+            bail!("{flag} must be a number of milliseconds >= 0, not {ms}");
+        }
     }
     let p = Preset::from(a.preset);
     let quant = match a.mode {
@@ -178,8 +192,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
             String::new()
         } else {
             format!(
-                ", timed after {} ms of warm-up, {} input set{}",
+                ", timed after {} ms of warm-up ({} ms in all first), over {} ms at least, {} input set{}",
                 a.warmup_ms,
+                a.settle_ms,
+                a.min_time_ms,
                 a.inputs,
                 if a.inputs == 1 {
                     " (one workspace)"
@@ -230,6 +246,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 let plan = fp4moe::cuda::bench::TimingPlan {
                     iterations: iters,
                     warmup_ms: a.warmup_ms,
+                    settle_ms: a.settle_ms,
+                    min_time_ms: a.min_time_ms,
                 };
                 let tm = step(&format!("timing {t} tokens"), || layers.time(&inputs, plan))
                     .with_context(|| format!("{t} tokens"))?;
@@ -291,7 +309,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
     let doc = serde_json::json!({
         "preset": p.name(), "mode": spec.quant.to_string(), "backend": backend.name(), "device": device,
         "copy_bandwidth_gbs": bandwidth / 1e9, "bf16_tflops": tflops_floor, "experts": e, "top_k": k,
-        "warmup_ms": (backend == Backend::Cuda).then_some(a.warmup_ms), "inputs": a.inputs, "results": rows,
+        "warmup_ms": (backend == Backend::Cuda).then_some(a.warmup_ms),
+        "settle_ms": (backend == Backend::Cuda).then_some(a.settle_ms),
+        "min_time_ms": (backend == Backend::Cuda).then_some(a.min_time_ms), "inputs": a.inputs, "results": rows,
     });
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&doc)?;

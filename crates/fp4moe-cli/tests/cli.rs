@@ -382,9 +382,12 @@ fn bench_rejects_bad_arguments() {
     // Stage times come from CUDA graphs; on the CPU backend the flag is an error, not ignored.
     let o = fp4moe(&["bench", "--tokens", "1", "--backend", "cpu", "--stages"]);
     expect_error(&o, &["--stages", "cuda"]);
-    for bad in ["--warmup-ms=-1", "--warmup-ms=nan", "--warmup-ms=inf"] {
-        let o = fp4moe(&["bench", "--tokens", "1", "--backend", "cpu", bad]);
-        expect_error(&o, &["--warmup-ms"]);
+    for flag in ["--warmup-ms", "--settle-ms", "--min-time-ms"] {
+        for bad in ["-1", "nan", "inf"] {
+            let arg = format!("{flag}={bad}");
+            let o = fp4moe(&["bench", "--tokens", "1", "--backend", "cpu", &arg]);
+            expect_error(&o, &[flag]);
+        }
     }
     let o = fp4moe(&[
         "bench",
@@ -428,6 +431,10 @@ fn bench_on_the_cpu_reports_the_host_memory_floor() {
     assert!(doc["bf16_tflops"].is_null(), "{doc}");
     // The GPU warm-up does not apply to host backends.
     assert!(doc["warmup_ms"].is_null(), "{doc}");
+    assert!(
+        doc["settle_ms"].is_null() && doc["min_time_ms"].is_null(),
+        "{doc}"
+    );
     assert_eq!(doc["inputs"], 1, "{doc}");
     assert!(doc["copy_bandwidth_gbs"].as_f64().unwrap() > 0.0, "{doc}");
     let rows = doc["results"].as_array().unwrap();

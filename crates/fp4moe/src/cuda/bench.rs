@@ -6,7 +6,12 @@
 //! constant under load: on the H200 a sustained prefill reaches the 700 W software power cap
 //! within ~50–100 ms and the SM clock falls from 1980 MHz to ~1750–1800 (run 119, KERNEL_NOTES
 //! session 27), so a short timing window after a short warm-up measures the boost clock, or a
-//! mix of both clocks (the "bimodal" medians of sessions 16–26).
+//! mix of both clocks (the "bimodal" medians of sessions 16–26). Decode loads reach the cap
+//! too, ~0.8 s in from idle, and the controller dips the clock for ~0.2–0.3 s about once a
+//! second before it settles (run 197), so the first sizes also wait until
+//! [`TimingPlan::settle_ms`] of GPU time were replayed in all, and every size is timed over
+//! [`TimingPlan::min_time_ms`]: a ~30 ms window had timed a size at the boost clock or in a
+//! dip by its place in the token list (4–8 %, session 44).
 
 use super::{driver_err, CudaLayer, CudaWorkspace};
 use crate::error::{Error, Result};
@@ -57,12 +62,21 @@ pub struct Timing {
 /// How [`BenchLayers::time`] replays a layer.
 #[derive(Clone, Copy, Debug)]
 pub struct TimingPlan {
-    /// Timed replays.
+    /// Timed replays, at least (whole rounds of every graph; more where `min_time_ms` asks).
     pub iterations: usize,
     /// Untimed replays before the timed ones: three rounds of every graph, then more until at
     /// least this many ms of GPU time have passed (0: the three rounds only), so the timed
     /// replays run at the clock a sustained load settles to.
     pub warmup_ms: f64,
+    /// The first sizes' warm-up lasts until the [`BenchLayers`] have replayed this many ms of
+    /// GPU time in all: from idle, the H200's power draw (a ~1 s running mean) reaches the
+    /// 700 W cap ~0.8 s into a sustained decode load, where the controller drops the SM clock
+    /// to ~1600 MHz for ~0.2 s before it settles (run 197).
+    pub settle_ms: f64,
+    /// The timed replays last at least this many ms of GPU time: under the cap the clock dips
+    /// again about once a second for ~0.2–0.3 s, and a median over ~30 ms of replays that fell
+    /// into a dip was 4–10 % high (runs 195–197: the third and sixth sizes of a token list).
+    pub min_time_ms: f64,
 }
 
 /// Several uploaded copies of one layer's weights, built once and timed at any number of batch
@@ -70,6 +84,8 @@ pub struct TimingPlan {
 /// than that.
 pub struct BenchLayers {
     layers: Vec<CudaLayer>,
+    /// GPU ms replayed so far (warm-up and timed), for [`TimingPlan::settle_ms`].
+    busy_ms: f64,
 }
 
 impl BenchLayers {
@@ -79,32 +95,19 @@ impl BenchLayers {
         let layers = (0..copies.max(1))
             .map(|_| CudaLayer::new(spec, weights))
             .collect::<Result<_>>()?;
-        Ok(Self { layers })
+        Ok(Self {
+            layers,
+            busy_ms: 0.0,
+        })
     }
 
     /// One workspace per input set (each `[tokens, H]`), its input uploaded and one eager
     /// forward run (module load, first touch) before any capture.
-    ///
-    /// FP4MOE_BENCH_PAD_KB (diagnostic, unset by default): a device allocation of that many
-    /// KiB made first and held while the workspaces live, which moves them; with
-    /// FP4MOE_BENCH_PER_GRAPH set, the first workspace's buffer addresses go to stderr. For
-    /// KERNEL_NOTES step 20(d): one size timed in different token lists differed by ~5–8 %.
-    fn workspaces(
-        &self,
-        inputs: &[Vec<f32>],
-    ) -> Result<(Vec<CudaWorkspace>, Option<cudarc::driver::CudaSlice<u8>>)> {
+    fn workspaces(&self, inputs: &[Vec<f32>]) -> Result<Vec<CudaWorkspace>> {
         let layers = &self.layers;
         let st = layers[0].stream().clone();
         let hidden = layers[0].spec.shape.hidden;
         let tokens = inputs.first().map_or(0, |x| x.len() / hidden);
-        let pad_kb = std::env::var("FP4MOE_BENCH_PAD_KB")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&kb| kb > 0);
-        let pad = pad_kb
-            .map(|kb| st.alloc_zeros::<u8>(kb * 1024))
-            .transpose()
-            .map_err(driver_err("bench padding allocation"))?;
         let mut wss: Vec<CudaWorkspace> = Vec::new();
         for x in inputs {
             let mut ws = layers[0].workspace(tokens)?;
@@ -116,20 +119,15 @@ impl BenchLayers {
             layers[i % layers.len()].forward_device(ws, None)?;
         }
         st.synchronize().map_err(driver_err("synchronize"))?;
-        if std::env::var_os("FP4MOE_BENCH_PER_GRAPH").is_some() {
-            if let Some(ws) = wss.first() {
-                eprintln!("workspace 0 at: {}", ws.addresses(&st).join("  "));
-            }
-        }
-        Ok((wss, pad))
+        Ok(wss)
     }
 
     /// Times `tokens`-token forwards of the whole layer: `inputs` token sets (each
     /// `[tokens, H]`), one CUDA graph per (weight copy, input), replayed as `plan` says.
     pub fn time(&mut self, inputs: &[Vec<f32>], plan: TimingPlan) -> Result<Timing> {
-        let (mut wss, _pad) = self.workspaces(inputs)?;
+        let mut wss = self.workspaces(inputs)?;
         let layers = &self.layers;
-        let times = replay_times(layers, &mut wss, &plan)?;
+        let times = replay_times(layers, &mut wss, &plan, &mut self.busy_ms)?;
         if let Some(report) = layers[0].one_token_trace_report(&wss[0])? {
             eprintln!("{report}");
         }
@@ -137,7 +135,7 @@ impl BenchLayers {
             median_us: times[times.len() / 2],
             min_us: times[0],
             max_us: times[times.len() - 1],
-            iterations: plan.iterations,
+            iterations: times.len(),
         })
     }
 
@@ -156,8 +154,8 @@ impl BenchLayers {
         plan: TimingPlan,
         whole_us: f64,
     ) -> Result<Vec<f64>> {
-        let (mut wss, _pad) = self.workspaces(inputs)?;
-        let prefix = stage_prefixes(&mut self.layers, &mut wss, &plan);
+        let mut wss = self.workspaces(inputs)?;
+        let prefix = stage_prefixes(&mut self.layers, &mut wss, &plan, &mut self.busy_ms);
         // Whole forwards again, whether or not the cut graphs ran.
         for layer in self.layers.iter_mut() {
             layer.set_stage_limit(None);
@@ -180,27 +178,30 @@ fn stage_prefixes(
     layers: &mut [CudaLayer],
     wss: &mut [CudaWorkspace],
     plan: &TimingPlan,
+    busy_ms: &mut f64,
 ) -> Result<Vec<f64>> {
     let mut prefix = Vec::new();
     for limit in 1..super::STAGES.len() {
         for layer in layers.iter_mut() {
             layer.set_stage_limit(Some(limit));
         }
-        let t = replay_times(layers, wss, plan)?;
+        let t = replay_times(layers, wss, plan, busy_ms)?;
         prefix.push(t[t.len() / 2]);
     }
     Ok(prefix)
 }
 
-/// Sorted µs of `plan.iterations` replays of one CUDA graph per (input workspace, layer),
-/// cycled after the warm-up (three rounds, then whole rounds until `plan.warmup_ms` of GPU time
-/// have passed), each timed between events.
+/// Sorted µs of the timed replays of one CUDA graph per (input workspace, layer), cycled after
+/// the warm-up (three rounds, then whole rounds until `plan.warmup_ms` of GPU time have passed,
+/// and until `busy_ms` reaches `plan.settle_ms`), each timed between events: whole rounds, at
+/// least `plan.iterations` replays and `plan.min_time_ms` of GPU time (by the warm-up's mean
+/// replay). Adds the GPU time it replayed to `busy_ms`.
 fn replay_times(
     layers: &[CudaLayer],
     wss: &mut [CudaWorkspace],
     plan: &TimingPlan,
+    busy_ms: &mut f64,
 ) -> Result<Vec<f64>> {
-    let iterations = plan.iterations;
     let st = layers[0].stream().clone();
     let dev = layers[0].device();
     let capture = |layer: &CudaLayer, ws: &mut CudaWorkspace, i: usize| {
@@ -222,44 +223,40 @@ fn replay_times(
             graphs.push(capture(layer, ws, i)?);
         }
     }
-    // FP4MOE_BENCH_EXTRA_GRAPHS (diagnostic, unset by default): that many more graphs of the
-    // first forward, instantiated after the timed ones and held, never launched, until the
-    // timing ends (KERNEL_NOTES step 20(d): is a slower call tied to its graphs' count?).
-    let extra = std::env::var("FP4MOE_BENCH_EXTRA_GRAPHS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(0);
-    let _extra_graphs = match wss.first_mut() {
-        Some(ws) => (0..extra)
-            .map(|_| capture(&layers[0], ws, 0))
-            .collect::<Result<Vec<_>>>()?,
-        None => Vec::new(),
-    };
     let ev = || {
         dev.ctx
             .new_event(Some(dsys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(driver_err("events"))
     };
-    let events: Vec<_> = (0..=iterations).map(|_| ev()).collect::<Result<_>>()?;
     let warm_start = ev()?;
     warm_start.record(&st).map_err(driver_err("events"))?;
     for g in graphs.iter().cycle().take(graphs.len() * 3) {
         g.launch().map_err(driver_err("graph launch"))?;
     }
+    let mut warm_replays = graphs.len() * 3;
     let warm_end = ev()?;
-    loop {
+    let warm_ms = plan.warmup_ms.max(plan.settle_ms - *busy_ms);
+    let warmed_ms = loop {
         warm_end.record(&st).map_err(driver_err("events"))?;
         warm_end.synchronize().map_err(driver_err("events"))?;
-        let ms = warm_start
-            .elapsed_ms(&warm_end)
-            .map_err(driver_err("events"))?;
-        if f64::from(ms) >= plan.warmup_ms {
-            break;
+        let ms = f64::from(
+            warm_start
+                .elapsed_ms(&warm_end)
+                .map_err(driver_err("events"))?,
+        );
+        if ms >= warm_ms {
+            break ms;
         }
         for g in &graphs {
             g.launch().map_err(driver_err("graph launch"))?;
         }
-    }
+        warm_replays += graphs.len();
+    };
+    // Whole rounds: every (input, weight copy) graph as often as the others.
+    let per_replay_ms = warmed_ms / warm_replays as f64;
+    let wanted = (plan.min_time_ms / per_replay_ms).ceil().min(1e6) as usize;
+    let iterations = plan.iterations.max(wanted).max(1).div_ceil(graphs.len()) * graphs.len();
+    let events: Vec<_> = (0..=iterations).map(|_| ev()).collect::<Result<_>>()?;
     events[0].record(&st).map_err(driver_err("events"))?;
     for (it, g) in graphs.iter().cycle().take(iterations).enumerate() {
         g.launch().map_err(driver_err("graph launch"))?;
@@ -300,6 +297,7 @@ fn replay_times(
             eprintln!("replays in order (µs): {}", seq.join(" "));
         }
     }
+    *busy_ms += warmed_ms + times.iter().sum::<f64>() / 1e3;
     times.sort_by(f64::total_cmp);
     Ok(times)
 }

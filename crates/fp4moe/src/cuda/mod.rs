@@ -543,28 +543,6 @@ impl CudaWorkspace {
         self.tokens
     }
 
-    /// `name=0x…` device addresses of the buffers a forward writes and polls (the bench's
-    /// placement diagnostic, [`bench`]).
-    pub(crate) fn addresses(&self, st: &CudaStream) -> Vec<String> {
-        [
-            ("x", ptr(&self.x, st)),
-            ("logits", ptr(&self.logits, st)),
-            ("ids", ptr(&self.ids, st)),
-            ("offsets", ptr(&self.offsets, st)),
-            ("sorted", ptr(&self.sorted, st)),
-            ("active", ptr(&self.active, st)),
-            ("num_active", ptr(&self.num_active, st)),
-            ("a", ptr(&self.a, st)),
-            ("g", ptr(&self.g, st)),
-            ("o", ptr(&self.o, st)),
-            ("out", ptr(&self.out, st)),
-            ("gemm_ready", ptr(&self.gemm_ready, st)),
-        ]
-        .iter()
-        .map(|(n, p)| format!("{n}={p:#x}"))
-        .collect()
-    }
-
     /// Downloads the routed experts' grouping of the last forward on `stream` (synchronizing).
     pub fn grouping(&self, stream: &Arc<CudaStream>) -> Result<ExpertGrouping> {
         let get = |s: &CudaSlice<i32>| {
