@@ -64,8 +64,9 @@ pub(crate) struct Args {
     pub json: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Timed runs per batch size: CUDA graph replays (default 200, 40 from 1024 tokens);
-    /// CPU and reference forwards, routing included (default 4).
+    /// Timed runs per batch size: CUDA graph replays, at least (default 200, 40 from 1024
+    /// tokens; whole rounds of the input sets and weight copies, and as many more as
+    /// `--min-time-ms` needs); CPU and reference forwards, routing included (default 4).
     #[arg(long)]
     pub iterations: Option<usize>,
     /// CUDA: GPU time (ms) of untimed replays before the timed ones. Under a sustained prefill

@@ -254,7 +254,11 @@ fn replay_times(
     };
     // Whole rounds: every (input, weight copy) graph as often as the others.
     let per_replay_ms = warmed_ms / warm_replays as f64;
-    let wanted = (plan.min_time_ms / per_replay_ms).ceil().min(1e6) as usize;
+    let wanted = if plan.min_time_ms > 0.0 && per_replay_ms > 0.0 {
+        (plan.min_time_ms / per_replay_ms).ceil().min(1e6) as usize
+    } else {
+        0
+    };
     let iterations = plan.iterations.max(wanted).max(1).div_ceil(graphs.len()) * graphs.len();
     let events: Vec<_> = (0..=iterations).map(|_| ev()).collect::<Result<_>>()?;
     events[0].record(&st).map_err(driver_err("events"))?;
