@@ -204,23 +204,20 @@ fn replay_times(
 ) -> Result<Vec<f64>> {
     let st = layers[0].stream().clone();
     let dev = layers[0].device();
-    let capture = |layer: &CudaLayer, ws: &mut CudaWorkspace, i: usize| {
-        st.begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(driver_err("graph capture"))?;
-        let r = layer.forward_device(ws, None);
-        let g = st
-            .end_capture(dsys::CUgraphInstantiate_flags(0))
-            .map_err(driver_err("graph capture"))?;
-        r?;
-        g.ok_or_else(|| Error::Cuda {
-            stage: "graph capture",
-            message: format!("nothing captured for input {i}"),
-        })
-    };
     let mut graphs = Vec::new();
     for (i, ws) in wss.iter_mut().enumerate() {
         for layer in layers {
-            graphs.push(capture(layer, ws, i)?);
+            st.begin_capture(dsys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(driver_err("graph capture"))?;
+            let r = layer.forward_device(ws, None);
+            let g = st
+                .end_capture(dsys::CUgraphInstantiate_flags(0))
+                .map_err(driver_err("graph capture"))?;
+            r?;
+            graphs.push(g.ok_or_else(|| Error::Cuda {
+                stage: "graph capture",
+                message: format!("nothing captured for input {i}"),
+            })?);
         }
     }
     let ev = || {
