@@ -9,7 +9,9 @@
 // columns) or PF_NT = 128 (prefill_dual_*, two warpgroups, TMA-fed, PF_DUAL_BLOCKS blocks
 // per SM). With HS = SLOTS / 2, slot s = HS·h + w' (h = 0, 1; w' < HS) holds, gated, the gate
 // rows (h = 0) or the up rows (h = 1, I/16 row groups further) of g row group HS·bx + w', so a
-// block covers 8·SLOTS rows of g; non-gated, row group SLOTS·bx + 8·(w' / 4) + 4·h + w' % 4.
+// block covers 8·SLOTS rows of g; non-gated, row group SLOTS·bx + s, so each half is 8·SLOTS
+// consecutive rows and a row tile that ends within its first half (Nemotron-3 Nano's I = 1856
+// and H = 2688 leave 4 and 8 of 16 row groups in the last tile) computes that half alone (HV).
 // With HALVES = 1 (large and wide tiles) warp w computes slot w: on the large tiles 16
 // converting warps per SM hide the dequantization's latency twice as well as 8 (KERNEL_NOTES
 // run 20); the wide tiles have 8, each converted fragment serving twice the columns.
@@ -76,6 +78,11 @@
 #define PF_MMA_DEPTH 3
 #endif
 static_assert(PF_MMA_DEPTH >= 1 && PF_MMA_DEPTH <= 3, "frag holds four steps; the ring refills chunk c - 2");
+// Non-gated 32-token tiles whose rows end within their first half compute that half only (1), or
+// both, the second on zero-filled weights (0, for A/B timing through FP4MOE_DEFINES).
+#ifndef PF_HALF_TILES
+#define PF_HALF_TILES 1
+#endif
 // GEMM2 requests its first chunks' weights before it waits for GEMM1's rows (1), or after (0,
 // for A/B timing through FP4MOE_DEFINES: the copies in their order before run 148, the wait
 // itself where run 148 moved it, after find_tile and the tile's setup, and off the handoff
@@ -358,19 +365,19 @@ template <bool GATED, int SLOTS>
 __device__ __forceinline__ bool slot_row_group(const GemmParams& p, int slot, int bx, int* rg) {
     constexpr int HS = SLOTS / 2;
     int h = slot / HS, w = slot % HS;
-    int out = GATED ? bx * HS + w : bx * SLOTS + (w >> 2) * 8 + h * 4 + (w & 3);
+    int out = GATED ? bx * HS + w : bx * SLOTS + slot;
     *rg = (GATED && h == 1) ? out + p.rg_out : out;
     return out < p.rg_out;
 }
 
 // Local row (0 .. 16·SLOTS − 1) of ring slot `slot`'s first row in the block's output order:
 // gated, the gate rows of g row group bx·HS + w at 16·w, its up rows 8·SLOTS further;
-// non-gated, 16·(the slot's row group − bx·SLOTS). (The inverse of slot_row_group's placement.)
+// non-gated, 16·slot. (The inverse of slot_row_group's placement.)
 template <bool GATED, int SLOTS>
 __device__ __forceinline__ int slot_local_row(int slot) {
     constexpr int HS = SLOTS / 2;
     int h = slot / HS, w = slot % HS;
-    return GATED ? h * HS * 16 + w * 16 : ((w >> 2) * 8 + h * 4 + (w & 3)) * 16;
+    return GATED ? h * HS * 16 + w * 16 : slot * 16;
 }
 
 // Epilogue of one tile, staged through the idle ring: each warp writes its accumulators there
@@ -460,12 +467,17 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
 // slots per warp (1: SLOTS warps, 2: SLOTS / 2). TMA: how the activation tile arrives — 0:
 // gathered by cp.async through `srow`; 1: boxes of PF_BOX_ROWS(NT) rows from `tm`
 // (the rows in sorted order, 128-byte swizzle), completing on `bars`; 2: as 1, the box of each
-// CTA of a 2-CTA cluster multicast to both (each L2 read feeds two SMs).
-template <bool GATED, int STAGE, int NC, int NT, int SLOTS, int HALVES, int TMA>
+// CTA of a 2-CTA cluster multicast to both (each L2 read feeds two SMs). HV (<= HALVES): the
+// halves computed; with HV < HALVES the other halves' rows are past the matrix (non-gated row
+// tiles that end within their first half), and neither their weights are copied nor their
+// fragments converted or multiplied: their accumulators stay zero and the epilogue stores no
+// row past the matrix. A block-uniform choice of instantiation, so no wgmma sits in a branch.
+template <bool GATED, int STAGE, int NC, int NT, int SLOTS, int HALVES, int HV, int TMA>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring,
                                              const PairTable* pairs, int e, int base, int n_e, int t0, int nvalid,
                                              const TmaMap* tm, u64* bars) {
     static_assert(NC <= NT && NC % 8 == 0, "a tile's width fits its ring");
+    static_assert(HV >= 1 && HV <= HALVES, "computed halves");
     constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
     constexpr int STAGES = PF_STAGES, AHEAD = STAGES - 2;
     constexpr int B_BYTES = NT * 128, W_BYTES = SLOTS * 512, STAGE_BYTES = pf_stage_bytes(NT, SLOTS);
@@ -492,9 +504,11 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     }
     const u8* w_cur[W_COPIES];
     u32 w_dst[W_COPIES], w_step[W_COPIES];  // stage offset, source bytes per chunk (0: zero-fill)
+    bool w_read[W_COPIES];                  // the piece's slot is in a computed half
 #pragma unroll
     for (int r = 0; r < W_COPIES; r++) {
         int i = tid + r * THREADS, slot = i / 36, piece = i % 36, rg = 0;
+        w_read[r] = slot < WARPS * HV;
         bool ok = i < W_PIECES && slot_row_group<GATED, SLOTS>(p, slot, blockIdx.x, &rg);
         if (piece < 32) {
             w_cur[r] = ok ? wdata_e + (size_t)rg * p.kg * 512 + piece * 16 : p.wdata;
@@ -521,6 +535,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         for (int r = 0; r < W_COPIES; r++) {
             // Warp-uniform: the last round's pieces belong to the first warps only.
             if (W_PIECES % THREADS != 0 && tid + r * THREADS >= W_PIECES) continue;
+            if (HV < HALVES && !w_read[r]) continue;  // no warp reads this slot
             cp_async16_s(dst_s + w_dst[r], w_cur[r], w_step[r] ? 16 : 0);
             w_cur[r] += w_step[r];
         }
@@ -659,7 +674,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         uint4 d[HALVES];
         uint2 sb[HALVES];  // scale codes of each slot's rows g and g + 8, k blocks 0..3 (scale_pairs)
 #pragma unroll
-        for (int h = 0; h < HALVES; h++) {
+        for (int h = 0; h < HV; h++) {
             const int slot = warp + WARPS * h;
             d[h] = *reinterpret_cast<const uint4*>(stage + B_BYTES + slot * 512 + lane * 16);
             sb[h] = *reinterpret_cast<const uint2*>(stage + B_BYTES + W_BYTES + slot * 64 + g * 8);
@@ -667,25 +682,25 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 #pragma unroll
         for (int j = 0; j < 4; j++) {
 #pragma unroll
-            for (int h = 0; h < HALVES; h++)
+            for (int h = 0; h < HV; h++)
                 dequant_fragment_alu(word_of(d[h], j), scale_pairs(sb[h], j), frag[h][j]);
 #if PF_WGMMA
             wgmma_fence();
             const u64 desc = (u64)desc_hi << 32 | (desc_lo + j * DESC_STEP);
 #pragma unroll
-            for (int h = 0; h < HALVES; h++) wgmma_rs<NC>(acc[h], frag[h][j], desc);
+            for (int h = 0; h < HV; h++) wgmma_rs<NC>(acc[h], frag[h][j], desc);
             wgmma_commit();
             wgmma_wait<PF_MMA_DEPTH>();
 #else
 #pragma unroll
-            for (int h = 0; h < HALVES; h++) mma_sync_k16<NSUB>(acc[h], frag[h][j], stage, j);
+            for (int h = 0; h < HV; h++) mma_sync_k16<NSUB>(acc[h], frag[h][j], stage, j);
 #endif
         }
     }
 #if PF_WGMMA
     wgmma_wait<0>();
 #pragma unroll
-    for (int h = 0; h < HALVES; h++) fence_acc(acc[h]);
+    for (int h = 0; h < HV; h++) fence_acc(acc[h]);
 #endif
 
     __syncthreads();  // every warp is done with the ring: the epilogue stages through it
@@ -744,7 +759,18 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
             srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
         __syncthreads();
     }
-#define PF_TILE(NC) prefill_tile<GATED, STAGE, NC, NT, SLOTS, HALVES, TMA>(p, srow, ring, pairs, e, base, n_e, t0, nvalid, tm, bars)
+    // Non-gated tiles of two halves whose rows end within the first half compute that half only.
+    const bool one_half = PF_HALF_TILES && HALVES == 2 && !GATED && p.rg_out - (int)blockIdx.x * SLOTS <= SLOTS / 2;
+#define PF_TILE_HV(NC, HV) prefill_tile<GATED, STAGE, NC, NT, SLOTS, HALVES, HV, TMA>(p, srow, ring, pairs, e, base, n_e, t0, nvalid, tm, bars)
+#define PF_TILE(NC)                                         \
+    do {                                                    \
+        if constexpr (HALVES == 2 && !GATED) {              \
+            if (one_half) PF_TILE_HV(NC, 1);                \
+            else PF_TILE_HV(NC, 2);                         \
+        } else {                                            \
+            PF_TILE_HV(NC, HALVES);                         \
+        }                                                   \
+    } while (0)
     if constexpr (NT == PF_NT_WIDE) {
         if (nvalid > 192) PF_TILE(256);
         else if (nvalid > 128) PF_TILE(192);
@@ -760,6 +786,7 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
         else PF_TILE(NT / 2);
     }
 #undef PF_TILE
+#undef PF_TILE_HV
 #if PF_WGMMA
     // Neither CTA leaves while the other may still write its shared memory or barriers.
     if (TMA == 2) cluster_sync();
