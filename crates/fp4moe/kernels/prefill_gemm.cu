@@ -485,13 +485,15 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     const u8* wdata_e = p.wdata + (size_t)e * p.rg_w * p.kg * 512;
     const u8* wscales_e = p.wscales + (size_t)e * p.rg_w * p.kg * 64;
 
-    // Copies of a chunk: NC·8 activation pieces (cp.async feed), then SLOTS x 32 data and
-    // SLOTS x 4 scale pieces of weights. Each thread's pieces are the same every chunk but for a
+    // Copies of a chunk: NC·8 activation pieces (cp.async feed), then 32 data and 4 scale
+    // pieces of weights per computed slot. Each thread's pieces are the same every chunk but for a
     // k offset, so each has a cursor resolved once here and advanced by a fixed step per chunk
     // (chunks are staged in order): a chunk costs a few adds, warp-uniform branches and a cp.async per
     // piece.
     constexpr int A_PIECES = TMA ? 0 : NC * 8, A_COPIES = (A_PIECES + THREADS - 1) / THREADS;
-    constexpr int W_PIECES = SLOTS * 36;
+    // The pieces of the computed halves' slots (slot = piece / 36): HV < HALVES copies no slot
+    // that no warp reads.
+    constexpr int W_PIECES = WARPS * HV * 36;
     constexpr int W_COPIES = (W_PIECES + THREADS - 1) / THREADS;
     const __nv_bfloat16* a_cur[A_COPIES > 0 ? A_COPIES : 1];
     int a_left[A_COPIES > 0 ? A_COPIES : 1];  // valid k from the piece's column on; <= 0: zero-fill
@@ -504,11 +506,9 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     }
     const u8* w_cur[W_COPIES];
     u32 w_dst[W_COPIES], w_step[W_COPIES];  // stage offset, source bytes per chunk (0: zero-fill)
-    bool w_read[W_COPIES];                  // the piece's slot is in a computed half
 #pragma unroll
     for (int r = 0; r < W_COPIES; r++) {
         int i = tid + r * THREADS, slot = i / 36, piece = i % 36, rg = 0;
-        w_read[r] = slot < WARPS * HV;
         bool ok = i < W_PIECES && slot_row_group<GATED, SLOTS>(p, slot, blockIdx.x, &rg);
         if (piece < 32) {
             w_cur[r] = ok ? wdata_e + (size_t)rg * p.kg * 512 + piece * 16 : p.wdata;
@@ -535,7 +535,6 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         for (int r = 0; r < W_COPIES; r++) {
             // Warp-uniform: the last round's pieces belong to the first warps only.
             if (W_PIECES % THREADS != 0 && tid + r * THREADS >= W_PIECES) continue;
-            if (HV < HALVES && !w_read[r]) continue;  // no warp reads this slot
             cp_async16_s(dst_s + w_dst[r], w_cur[r], w_step[r] ? 16 : 0);
             w_cur[r] += w_step[r];
         }
@@ -760,11 +759,12 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
         __syncthreads();
     }
     // Non-gated tiles of two halves whose rows end within the first half compute that half only.
-    const bool one_half = PF_HALF_TILES && HALVES == 2 && !GATED && p.rg_out - (int)blockIdx.x * SLOTS <= SLOTS / 2;
+    constexpr bool HALVABLE = PF_HALF_TILES && HALVES == 2 && !GATED;
+    const bool one_half = HALVABLE && p.rg_out - (int)blockIdx.x * SLOTS <= SLOTS / 2;
 #define PF_TILE_HV(NC, HV) prefill_tile<GATED, STAGE, NC, NT, SLOTS, HALVES, HV, TMA>(p, srow, ring, pairs, e, base, n_e, t0, nvalid, tm, bars)
 #define PF_TILE(NC)                                         \
     do {                                                    \
-        if constexpr (HALVES == 2 && !GATED) {              \
+        if constexpr (HALVABLE) {                           \
             if (one_half) PF_TILE_HV(NC, 1);                \
             else PF_TILE_HV(NC, 2);                         \
         } else {                                            \
