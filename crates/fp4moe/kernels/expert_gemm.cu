@@ -90,8 +90,9 @@ __device__ __forceinline__ void nvfp4_kgroup(uint4 d, uint2 s, uint4 du, uint2 s
 // one warp, each into its own accumulators added at the end as the wide block's reduction adds
 // them (the same bits), with half the warps per block and four blocks per SM.
 // DEPTH: k groups of weights in flight per warp (the register pipeline of gemm_body).
+// BX: the block's place along the row groups (row groups BX·RGPB ..).
 template <int KIND, int STAGE, bool GATED, int NSUB, int RGPB, int NWARPS, int VS, int DEPTH>
-__device__ __forceinline__ void gemm_body(const GemmParams& p) {
+__device__ __forceinline__ void gemm_body(const GemmParams& p, int bx) {
     constexpr int KSPLIT = NWARPS / RGPB;
     constexpr int NT = 8 * NSUB;
     constexpr int NACC = NSUB * 4 * (GATED ? 2 : 1);
@@ -110,7 +111,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     int n_e = (via_l2 ? __ldcg(p.offsets + e + 1) : p.offsets[e + 1]) - base;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
     int rgl = warp % RGPB, ks = warp / RGPB;
-    int rg = blockIdx.x * RGPB + rgl;
+    int rg = bx * RGPB + rgl;
     bool active_warp = rg < p.rg_out;
     int per = (p.kg + KSPLIT * VS - 1) / (KSPLIT * VS);
     int k_lo = min(ks * VS * per, p.kg), k_hi = min(k_lo + VS * per, p.kg);
@@ -367,12 +368,40 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p) {
     (VS == 2 ? (KIND == 1 ? 2 : GATED ? 3 : 4)                                   \
              : HALF_SHAPE(NSUB, NW) ? (GATED ? 3 : 4)                            \
                      : ((GATED || NSUB == 4 || KIND == 1 || NARROW_ROOM(NSUB, RG)) ? 1 : 2))
+// A deep block whose row groups end within its first half (Nemotron-3 Nano's I = 1856 leaves 4
+// of 8 in GEMM1's last block of every expert) runs as a half block instead: its 8 warps take
+// those 4 row groups x the 2 K slices, each slice summed by its own warp and the two added in
+// the same order as the deep warp adds them, so every output keeps its bits, where 4 of the
+// deep block's warps would idle and the other 4 run both slices one after the other. A
+// block-uniform choice (no mma.sync under a divergent branch), non-gated kernels only: beside
+// the deep body the gated kernels spill at their 80 registers. DECODE_TAIL_DEPTH: k groups in
+// flight per warp there (three spill beside the deep body at 64 registers; each warp's chain is
+// half the deep one's). DECODE_TAIL_HALF 0 (for A/B timing through FP4MOE_DEFINES): the deep
+// block as it is.
+#ifndef DECODE_TAIL_HALF
+#define DECODE_TAIL_HALF 1
+#endif
+#ifndef DECODE_TAIL_DEPTH
+#define DECODE_TAIL_DEPTH 2
+#endif
+template <int KIND, int STAGE, bool GATED, int NSUB, int RG, int NW, int VS>
+__device__ __forceinline__ void decode_body(const GemmParams& p) {
+    if constexpr (VS == 2 && !GATED && DECODE_TAIL_HALF) {
+        static_assert(RG % 2 == 0 && NW == RG, "a deep block of one warp per row group");
+        if (p.rg_out - (int)blockIdx.x * RG <= RG / 2) {
+            // Row groups RG·bx .. RG·bx + RG/2 - 1 are the half shape's block 2·bx.
+            gemm_body<KIND, STAGE, GATED, NSUB, RG / 2, NW, 1, DECODE_TAIL_DEPTH>(p, 2 * blockIdx.x);
+            return;
+        }
+    }
+    gemm_body<KIND, STAGE, GATED, NSUB, RG, NW, VS, DECODE_DEPTH(GATED, VS)>(p, blockIdx.x);
+}
 #define INSTANTIATE_ONE(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG) \
     INSTANTIATE_BLOCKS(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG, SHAPE_BLOCKS(KIND, GATED, NSUB, RG, NW, VS))
 #define INSTANTIATE_BLOCKS(NAME, KIND, STAGE, GATED, NSUB, RG, NW, VS, CFG, BLOCKS)             \
     extern "C" __global__ void __launch_bounds__(NW * 32, BLOCKS) NAME##_##CFG##_n##NSUB(const GemmParams p) { \
         gemm_enter<STAGE>(p);                                                                   \
-        gemm_body<KIND, STAGE, GATED, NSUB, RG, NW, VS, DECODE_DEPTH(GATED, VS)>(p);           \
+        decode_body<KIND, STAGE, GATED, NSUB, RG, NW, VS>(p);                                  \
         gemm_exit<STAGE>(p);                                                                    \
     }
 #define INSTANTIATE(NAME, KIND, STAGE, GATED)                     \
