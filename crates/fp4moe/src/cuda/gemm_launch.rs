@@ -238,7 +238,9 @@ impl CudaLayer {
             self.dev.max_shared_bytes,
             forced_tile,
         );
-        let forced = self.prefill_feed.or_else(PrefillFeed::from_env);
+        let forced = self
+            .prefill_feed
+            .or_else(|| PrefillFeed::from_env(gemm != PrefillGemm::Gemm2));
         let per_expert = pairs / slots.max(1);
         let choose = |tile: PrefillTile| {
             let row_tiles = rg.div_ceil(tile.row_groups(gemm));
@@ -256,7 +258,7 @@ impl CudaLayer {
             None => tile.for_gemm(gemm, k, per_expert, self.dev.max_shared_bytes),
             Some(_) => tile,
         };
-        let tile = tile.for_feed(choose(tile));
+        let tile = tile.for_feed(choose(tile), &self.dev.arch);
         (tile, choose(tile))
     }
 
