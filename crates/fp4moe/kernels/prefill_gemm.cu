@@ -7,12 +7,11 @@
 // SM, for a few to a few tens of tokens per expert); SLOTS = 8 (128 rows) with PF_NT_WIDE = 256
 // (prefill_wide_*, two warpgroups, TMA-fed, sm_90a: each converted fragment feeds 256 token
 // columns) or PF_NT = 128 (prefill_dual_*, two warpgroups, TMA-fed, PF_DUAL_BLOCKS blocks
-// per SM; prefill_dual_cp_* the same fed by cp.async). With HS = SLOTS / 2, slot s = HS·h + w'
-// (h = 0, 1; w' < HS) holds, gated, the gate rows (h = 0) or the up rows (h = 1, I/16 row
-// groups further) of g row group HS·bx + w', so a block covers 8·SLOTS rows of g; non-gated,
-// row group SLOTS·bx + s, so each half is 8·SLOTS consecutive rows and a row tile that ends
-// within its first half (Nemotron-3 Nano's I = 1856 and H = 2688 leave 4 and 8 of 16 row
-// groups in the last tile) computes that half alone (HV).
+// per SM). With HS = SLOTS / 2, slot s = HS·h + w' (h = 0, 1; w' < HS) holds, gated, the gate
+// rows (h = 0) or the up rows (h = 1, I/16 row groups further) of g row group HS·bx + w', so a
+// block covers 8·SLOTS rows of g; non-gated, row group SLOTS·bx + s, so each half is 8·SLOTS
+// consecutive rows and a row tile that ends within its first half (Nemotron-3 Nano's I = 1856
+// and H = 2688 leave 4 and 8 of 16 row groups in the last tile) computes that half alone (HV).
 // With HALVES = 1 (large and wide tiles) warp w computes slot w: on the large tiles 16
 // converting warps per SM hide the dequantization's latency twice as well as 8 (KERNEL_NOTES
 // run 20); the wide tiles have 8, each converted fragment serving twice the columns.
@@ -865,16 +864,3 @@ PREFILL_SLOTS8(prefill_wide_gemm2, false, 2, PF_NT_WIDE, PF_THREADS_WIDE, 1)
 PREFILL_SLOTS8(prefill_dual_gemm1_gated, true, 1, PF_NT, PF_THREADS_DUAL, PF_DUAL_BLOCKS)
 PREFILL_SLOTS8(prefill_dual_gemm1_plain, false, 1, PF_NT, PF_THREADS_DUAL, PF_DUAL_BLOCKS)
 PREFILL_SLOTS8(prefill_dual_gemm2, false, 2, PF_NT, PF_THREADS_DUAL, PF_DUAL_BLOCKS)
-// The dual tiles fed by cp.async: every thread gathers the tile's activation rows through the
-// sorted pairs (no-swizzle layout, a proxy fence per chunk), so GEMM1 reads the input rows
-// where they are and the routing writes no sorted copy of them (T·k·H bf16: 132 MB at 4096
-// tokens of Nemotron-3 Nano).
-#define PREFILL_SLOTS8_CP(NAME, GATED, STAGE, NT, THREADS, BLOCKS)                                   \
-    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) NAME(const GemmParams p) {         \
-        gemm_enter<STAGE, true>(p);                                                                  \
-        prefill_body<GATED, STAGE, NT, THREADS / 32, 1, 0>(p, nullptr);                              \
-        gemm_exit<STAGE, true>(p);                                                                   \
-    }
-PREFILL_SLOTS8_CP(prefill_dual_cp_gemm1_gated, true, 1, PF_NT, PF_THREADS_DUAL, PF_DUAL_BLOCKS)
-PREFILL_SLOTS8_CP(prefill_dual_cp_gemm1_plain, false, 1, PF_NT, PF_THREADS_DUAL, PF_DUAL_BLOCKS)
-PREFILL_SLOTS8_CP(prefill_dual_cp_gemm2, false, 2, PF_NT, PF_THREADS_DUAL, PF_DUAL_BLOCKS)

@@ -144,9 +144,6 @@ pub fn kernel_names(file: &str) -> Vec<String> {
             "prefill_dual_gemm1_gated",
             "prefill_dual_gemm1_plain",
             "prefill_dual_gemm2",
-            "prefill_dual_cp_gemm1_gated",
-            "prefill_dual_cp_gemm1_plain",
-            "prefill_dual_cp_gemm2",
         ],
         _ => &[],
     };
@@ -545,7 +542,6 @@ mod tests {
                     "\nPREFILL(",
                     "\nPREFILL_TMA(",
                     "\nPREFILL_SLOTS8(",
-                    "\nPREFILL_SLOTS8_CP(",
                     "\nPREFILL_SMALL_TMA(",
                 ]
                 .iter()

@@ -258,7 +258,7 @@ impl CudaLayer {
             None => tile.for_gemm(gemm, k, per_expert, self.dev.max_shared_bytes),
             Some(_) => tile,
         };
-        let tile = tile.for_feed(choose(tile), &self.dev.arch);
+        let tile = tile.for_feed(choose(tile));
         (tile, choose(tile))
     }
 

@@ -501,19 +501,16 @@ impl PrefillTile {
         }
     }
 
-    /// Whether the tile's kernels need the TMA feed with one CTA off sm_90a (the 8-slot wide
-    /// and dual tiles: no multicast variants; cp.async variants only of the dual tiles, run on
-    /// sm_90a alone).
+    /// Whether the tile's kernels exist only TMA-fed with one CTA (the 8-slot wide and dual
+    /// tiles: no cp.async or multicast variants).
     pub const fn tma_only(self) -> bool {
         matches!(self, PrefillTile::Wide | PrefillTile::Dual)
     }
 
     /// This tile, or the 128-token one where a TMA-only tile ([`PrefillTile::tma_only`]) would
-    /// need the TMA feed and `feed` is cp.async: always for the wide tiles, off `sm_90a` for the
-    /// dual ones (their cp.async kernels are not measured on the mma.sync path).
-    pub fn for_feed(self, feed: PrefillFeed, arch: &str) -> Self {
-        let cp_dual = self == PrefillTile::Dual && arch == "sm_90a";
-        if self.tma_only() && feed == PrefillFeed::CpAsync && !cp_dual {
+    /// need the TMA feed and `feed` is cp.async.
+    pub fn for_feed(self, feed: PrefillFeed) -> Self {
+        if self.tma_only() && feed == PrefillFeed::CpAsync {
             PrefillTile::Large
         } else {
             self
@@ -575,9 +572,9 @@ impl PrefillTile {
 
 impl PrefillGemm {
     /// The kernel that runs this GEMM on `tile` fed by `feed` (static names: no allocation per
-    /// launch); `None` for the pairs no kernel implements: multicast on 32-token tiles, wide
-    /// tiles fed by cp.async, wide and dual tiles fed by multicast ([`PrefillTile::for_feed`]
-    /// and [`PrefillFeed::choose`] never pick them).
+    /// launch); `None` for the pairs no kernel implements: multicast on 32-token tiles, wide and
+    /// dual tiles fed by cp.async or multicast ([`PrefillTile::for_feed`] and
+    /// [`PrefillFeed::choose`] never pick them).
     pub(super) fn kernel(self, tile: PrefillTile, feed: PrefillFeed) -> Option<&'static str> {
         use PrefillFeed::{CpAsync, Tma, TmaMulticast};
         use PrefillGemm::{Gemm1Gated, Gemm1Plain, Gemm2};
@@ -604,12 +601,7 @@ impl PrefillGemm {
             (Dual, Tma, Gemm1Gated) => "prefill_dual_gemm1_gated",
             (Dual, Tma, Gemm1Plain) => "prefill_dual_gemm1_plain",
             (Dual, Tma, Gemm2) => "prefill_dual_gemm2",
-            (Dual, CpAsync, Gemm1Gated) => "prefill_dual_cp_gemm1_gated",
-            (Dual, CpAsync, Gemm1Plain) => "prefill_dual_cp_gemm1_plain",
-            (Dual, CpAsync, Gemm2) => "prefill_dual_cp_gemm2",
-            (Small, TmaMulticast, _) | (Wide, CpAsync, _) | (Wide | Dual, TmaMulticast, _) => {
-                return None
-            }
+            (Small, TmaMulticast, _) | (Wide | Dual, CpAsync | TmaMulticast, _) => return None,
         })
     }
 }
@@ -1217,10 +1209,7 @@ mod tests {
         // A100 (163 KB) holds a 128-token tile (dual ones fall back to it: no TMA there), not
         // a wide one.
         assert_eq!(tile(4096 * 6, 163 * 1024, None), dual);
-        assert_eq!(
-            dual.for_feed(PrefillFeed::CpAsync, "sm_80"),
-            PrefillTile::Large
-        );
+        assert_eq!(dual.for_feed(PrefillFeed::CpAsync), PrefillTile::Large);
         assert!(wide.shared_bytes() <= h200);
         // The thresholds per expert kind (mean tokens per expert, rounded down).
         assert_eq!(tile(37 * 128, h200, None), dual);
@@ -1259,28 +1248,19 @@ mod tests {
         assert_eq!(dual.for_gemm(g2, 4096, 4096, h200), dual);
         let small = PrefillTile::Small;
         assert_eq!(small.for_gemm(g1, 2688, 768, h200), small);
-        assert_eq!(
-            wide.for_feed(PrefillFeed::CpAsync, "sm_90a"),
-            PrefillTile::Large
-        );
-        assert_eq!(wide.for_feed(PrefillFeed::Tma, "sm_90a"), wide);
-        // Dual tiles are TMA-fed, or by cp.async on sm_90a (elsewhere the 128-token tiles run,
-        // so a device must hold those too).
+        assert_eq!(wide.for_feed(PrefillFeed::CpAsync), PrefillTile::Large);
+        assert_eq!(wide.for_feed(PrefillFeed::Tma), wide);
+        // Dual tiles are TMA-fed only (elsewhere the 128-token tiles run, so a device must
+        // hold those too).
         assert_eq!(tile(4096 * 6, h200, Some(dual)), dual);
         assert_eq!(tile(4096 * 6, 163 * 1024, Some(dual)), dual);
         assert_eq!(tile(4096 * 6, 120 * 1024, Some(dual)), PrefillTile::Small);
         assert_eq!(tile(4096 * 6, sm89, Some(dual)), PrefillTile::Small);
-        assert_eq!(dual.for_feed(PrefillFeed::Tma, "sm_90a"), dual);
-        assert_eq!(dual.for_feed(PrefillFeed::CpAsync, "sm_90a"), dual);
-        assert_eq!(
-            PrefillGemm::Gemm1Plain.kernel(dual, PrefillFeed::CpAsync),
-            Some("prefill_dual_cp_gemm1_plain")
-        );
-        assert_eq!(PrefillGemm::Gemm2.kernel(wide, PrefillFeed::CpAsync), None);
+        assert_eq!(dual.for_feed(PrefillFeed::Tma), dual);
         // Two blocks (and their 1 KB of reserved shared memory each) fit an H100/H200 SM.
         assert!(2 * (dual.shared_bytes() + 1024) <= 228 * 1024);
         assert_eq!(
-            PrefillTile::Large.for_feed(PrefillFeed::CpAsync, "sm_90a"),
+            PrefillTile::Large.for_feed(PrefillFeed::CpAsync),
             PrefillTile::Large
         );
     }
@@ -1302,7 +1282,7 @@ mod tests {
                 ] {
                     let valid = matches!(
                         (tile, feed),
-                        (Small | Dual, CpAsync | Tma) | (Large, _) | (Wide, Tma)
+                        (Small, CpAsync | Tma) | (Large, _) | (Wide | Dual, Tma)
                     );
                     match gemm.kernel(tile, feed) {
                         Some(name) => {
