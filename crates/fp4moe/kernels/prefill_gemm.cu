@@ -83,6 +83,12 @@ static_assert(PF_MMA_DEPTH >= 1 && PF_MMA_DEPTH <= 3, "frag holds four steps; th
 #ifndef PF_HALF_TILES
 #define PF_HALF_TILES 1
 #endif
+// Non-gated 8-slot tiles (dual, wide) whose rows end within their first half split the token
+// columns over both warpgroups on that half's slots (1), or compute both halves, the second on
+// zero-filled weights (0, for A/B timing through FP4MOE_DEFINES).
+#ifndef PF_SPLIT_TILES
+#define PF_SPLIT_TILES 1
+#endif
 // GEMM2 requests its first chunks' weights before it waits for GEMM1's rows (1), or after (0,
 // for A/B timing through FP4MOE_DEFINES: the copies in their order before run 148, the wait
 // itself where run 148 moved it, after find_tile and the tile's setup, and off the handoff
@@ -391,8 +397,11 @@ __device__ __forceinline__ int slot_local_row(int slot) {
 // GEMM1's warp samples, mostly instruction-fetch stalls (KERNEL_NOTES run 43). Same arithmetic
 // per value, so the same bits. Tokens go in passes of PS column tiles when the ring cannot hold
 // the whole tile.
-template <bool GATED, int STAGE, int NC, int SLOTS, int HALVES>
-__device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const float (&acc)[HALVES][NC / 8][4],
+// SPLIT (prefill_tile's split row tiles): warp w holds slot w % (SLOTS / 2)'s rows for the
+// token columns of half w / (SLOTS / 2), NC / 2 of them.
+template <bool GATED, int STAGE, int NC, int SLOTS, int HALVES, bool SPLIT = false>
+__device__ __forceinline__ void prefill_epilogue(const GemmParams& p,
+                                                 const float (&acc)[HALVES][(SPLIT ? NC / 2 : NC) / 8][4],
                                                  unsigned char* ring, const PairTable* pairs, int e,
                                                  int base, int n_e, int t0, int nvalid) {
     constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
@@ -407,6 +416,7 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
     // and needs every lane of a warp in every iteration; float4 staging reads need 16-byte rows.
     static_assert(IPT % 2 == 0 && (PS * 8 * IPT) % 32 == 0 && THREADS % 32 == 0, "epilogue items per warp");
     static_assert(EP_TS % 4 == 0, "staging rows must be 16-byte aligned");
+    static_assert(!SPLIT || (PS == NSUB && HALVES == 1), "a split tile stages in one pass");
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     float* st = reinterpret_cast<float*>(ring);
     const int nsub_valid = (nvalid + 7) / 8;
@@ -418,14 +428,23 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
     for (int ps = 0; ps < NSUB / PS; ps++) {
         if (ps * PS >= nsub_valid) break;  // block-uniform
         if (ps > 0) __syncthreads();  // the previous pass has read the staging area
+        if constexpr (SPLIT) {
+            constexpr int HS = SLOTS / 2;
+            float* dst = st + slot_local_row<false, SLOTS>(warp % HS) + (warp / HS) * (NC / 2) * EP_TS + g;
 #pragma unroll
-        for (int h = 0; h < HALVES; h++) {
-            float* dst = st + slot_local_row<GATED && STAGE == 1, SLOTS>(warp + WARPS * h) + g;
+            for (int s = 0; s < NSUB / 2; s++)
 #pragma unroll
-            for (int s = 0; s < PS; s++)
+                for (int c = 0; c < 4; c++) dst[(8 * s + 2 * q + (c & 1)) * EP_TS + 8 * (c >> 1)] = acc[0][s][c];
+        } else {
 #pragma unroll
-                for (int c = 0; c < 4; c++)
-                    dst[(8 * s + 2 * q + (c & 1)) * EP_TS + 8 * (c >> 1)] = acc[h][ps * PS + s][c];
+            for (int h = 0; h < HALVES; h++) {
+                float* dst = st + slot_local_row<GATED && STAGE == 1, SLOTS>(warp + WARPS * h) + g;
+#pragma unroll
+                for (int s = 0; s < PS; s++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        dst[(8 * s + 2 * q + (c & 1)) * EP_TS + 8 * (c >> 1)] = acc[h][ps * PS + s][c];
+            }
         }
         __syncthreads();
         // Every lane of a warp runs the same iterations (items are a multiple of 32), so the
@@ -472,13 +491,21 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p, const floa
 // tiles that end within their first half), and neither their weights are copied nor their
 // fragments converted or multiplied: their accumulators stay zero and the epilogue stores no
 // row past the matrix. A block-uniform choice of instantiation, so no wgmma sits in a branch.
-template <bool GATED, int STAGE, int NC, int NT, int SLOTS, int HALVES, int HV, int TMA>
+// SPLIT (non-gated 8-slot tiles, HALVES = 1, whose rows end within the first half: Nemotron-3
+// Nano's GEMM1 leaves 4 of 8 row groups in its last row tile): the two warpgroups compute the
+// same first SLOTS / 2 slots, each over half of the token columns (m64 x NC / 2 per 16 k), so
+// no MMA runs on rows past the matrix and only those slots' weights are copied; each output
+// still sums the same products in the same k order (the widths' bits are equal).
+template <bool GATED, int STAGE, int NC, int NT, int SLOTS, int HALVES, int HV, int TMA, bool SPLIT = false>
 __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* srow, unsigned char* ring,
                                              const PairTable* pairs, int e, int base, int n_e, int t0, int nvalid,
                                              const TmaMap* tm, u64* bars) {
     static_assert(NC <= NT && NC % 8 == 0, "a tile's width fits its ring");
     static_assert(HV >= 1 && HV <= HALVES, "computed halves");
-    constexpr int NSUB = NC / 8, WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
+    static_assert(!SPLIT || (!GATED && HALVES == 1 && SLOTS == 8 && NC % 16 == 0), "split tiles");
+    constexpr int WARPS = SLOTS / HALVES, THREADS = 32 * WARPS;
+    // Token columns each warp multiplies (SPLIT: half of them, from column NCW·(warp / 4)).
+    constexpr int NCW = SPLIT ? NC / 2 : NC;
     constexpr int STAGES = PF_STAGES, AHEAD = STAGES - 2;
     constexpr int B_BYTES = NT * 128, W_BYTES = SLOTS * 512, STAGE_BYTES = pf_stage_bytes(NT, SLOTS);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
@@ -493,7 +520,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
     constexpr int A_PIECES = TMA ? 0 : NC * 8, A_COPIES = (A_PIECES + THREADS - 1) / THREADS;
     // The pieces of the computed halves' slots (slot = piece / 36): HV < HALVES copies no slot
     // that no warp reads.
-    constexpr int W_PIECES = WARPS * HV * 36;
+    constexpr int W_PIECES = (SPLIT ? SLOTS / 2 : WARPS * HV) * 36;
     constexpr int W_COPIES = (W_PIECES + THREADS - 1) / THREADS;
     const __nv_bfloat16* a_cur[A_COPIES > 0 ? A_COPIES : 1];
     int a_left[A_COPIES > 0 ? A_COPIES : 1];  // valid k from the piece's column on; <= 0: zero-fill
@@ -580,12 +607,13 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         stage_weights(st);
     };
 
-    // Slot of half h: warp + WARPS·h.
-    float acc[HALVES][NSUB][4];
+    // Slot of half h: warp + WARPS·h (SPLIT: warp % (SLOTS / 2), columns from col0).
+    float acc[HALVES][NCW / 8][4];
+    const int col0 = SPLIT ? (warp / (SLOTS / 2)) * NCW : 0;
 #pragma unroll
     for (int h = 0; h < HALVES; h++)
 #pragma unroll
-        for (int s = 0; s < NSUB; s++)
+        for (int s = 0; s < NCW / 8; s++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[h][s][c] = 0.0f;
     // One A fragment buffer per 16-k step of a chunk: with wait_group PF_MMA_DEPTH (<= 3) the
@@ -674,7 +702,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
         uint2 sb[HALVES];  // scale codes of each slot's rows g and g + 8, k blocks 0..3 (scale_pairs)
 #pragma unroll
         for (int h = 0; h < HV; h++) {
-            const int slot = warp + WARPS * h;
+            const int slot = SPLIT ? warp % (SLOTS / 2) : warp + WARPS * h;
             d[h] = *reinterpret_cast<const uint4*>(stage + B_BYTES + slot * 512 + lane * 16);
             sb[h] = *reinterpret_cast<const uint2*>(stage + B_BYTES + W_BYTES + slot * 64 + g * 8);
         }
@@ -685,14 +713,16 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
                 dequant_fragment_alu(word_of(d[h], j), scale_pairs(sb[h], j), frag[h][j]);
 #if PF_WGMMA
             wgmma_fence();
-            const u64 desc = (u64)desc_hi << 32 | (desc_lo + j * DESC_STEP);
+            // Token row col0 of the stage: col0·128 bytes on, a multiple of the 1024-byte
+            // 8-row group (swizzled and not), so only the start address moves.
+            const u64 desc = (u64)desc_hi << 32 | (desc_lo + (u32)col0 * 8u + j * DESC_STEP);
 #pragma unroll
-            for (int h = 0; h < HV; h++) wgmma_rs<NC>(acc[h], frag[h][j], desc);
+            for (int h = 0; h < HV; h++) wgmma_rs<NCW>(acc[h], frag[h][j], desc);
             wgmma_commit();
             wgmma_wait<PF_MMA_DEPTH>();
 #else
 #pragma unroll
-            for (int h = 0; h < HV; h++) mma_sync_k16<NSUB>(acc[h], frag[h][j], stage, j);
+            for (int h = 0; h < HV; h++) mma_sync_k16<NCW / 8>(acc[h], frag[h][j], stage + col0 * 128, j);
 #endif
         }
     }
@@ -703,7 +733,7 @@ __device__ __forceinline__ void prefill_tile(const GemmParams& p, const int* sro
 #endif
 
     __syncthreads();  // every warp is done with the ring: the epilogue stages through it
-    prefill_epilogue<GATED, STAGE, NC, SLOTS, HALVES>(p, acc, ring, pairs, e, base, n_e, t0, nvalid);
+    prefill_epilogue<GATED, STAGE, NC, SLOTS, HALVES, SPLIT>(p, acc, ring, pairs, e, base, n_e, t0, nvalid);
 }
 
 // NT-token tiles (PF_NT_SMALL, PF_NT or PF_NT_WIDE) over SLOTS 16-row slots: the tile's rows,
@@ -758,15 +788,22 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
             srow[i] = i >= nvalid ? -1 : (STAGE == 1 && p.top_k > 0) ? p.sorted[base + t0 + i] / p.top_k : base + t0 + i;
         __syncthreads();
     }
-    // Non-gated tiles of two halves whose rows end within the first half compute that half only.
+    // Non-gated tiles whose rows end within the first half: those of two halves compute that
+    // half only; 8-slot ones split the token columns over their two warpgroups (prefill_tile's
+    // SPLIT; not at 192 columns, which would take an m64n96 MMA no other tile uses).
     constexpr bool HALVABLE = PF_HALF_TILES && HALVES == 2 && !GATED;
-    const bool one_half = HALVABLE && p.rg_out - (int)blockIdx.x * SLOTS <= SLOTS / 2;
+    constexpr bool SPLITTABLE = PF_SPLIT_TILES && HALVES == 1 && SLOTS == 8 && !GATED;
+    const bool one_half = (HALVABLE || SPLITTABLE) && p.rg_out - (int)blockIdx.x * SLOTS <= SLOTS / 2;
 #define PF_TILE_HV(NC, HV) prefill_tile<GATED, STAGE, NC, NT, SLOTS, HALVES, HV, TMA>(p, srow, ring, pairs, e, base, n_e, t0, nvalid, tm, bars)
+#define PF_TILE_SPLIT(NC) prefill_tile<GATED, STAGE, NC, NT, SLOTS, HALVES, 1, TMA, true>(p, srow, ring, pairs, e, base, n_e, t0, nvalid, tm, bars)
 #define PF_TILE(NC)                                         \
     do {                                                    \
         if constexpr (HALVABLE) {                           \
             if (one_half) PF_TILE_HV(NC, 1);                \
             else PF_TILE_HV(NC, 2);                         \
+        } else if constexpr (SPLITTABLE && NC != 192) {     \
+            if (one_half) PF_TILE_SPLIT(NC);                \
+            else PF_TILE_HV(NC, HALVES);                    \
         } else {                                            \
             PF_TILE_HV(NC, HALVES);                         \
         }                                                   \
@@ -787,6 +824,7 @@ __device__ __forceinline__ void prefill_body(const GemmParams& p, const TmaMap* 
     }
 #undef PF_TILE
 #undef PF_TILE_HV
+#undef PF_TILE_SPLIT
 #if PF_WGMMA
     // Neither CTA leaves while the other may still write its shared memory or barriers.
     if (TMA == 2) cluster_sync();
