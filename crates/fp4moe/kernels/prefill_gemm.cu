@@ -11,7 +11,9 @@
 // rows (h = 0) or the up rows (h = 1, I/16 row groups further) of g row group HS·bx + w', so a
 // block covers 8·SLOTS rows of g; non-gated, row group SLOTS·bx + s, so each half is 8·SLOTS
 // consecutive rows and a row tile that ends within its first half (Nemotron-3 Nano's I = 1856
-// and H = 2688 leave 4 and 8 of 16 row groups in the last tile) computes that half alone (HV).
+// and H = 2688 leave 4 and 8 of 16 row groups in the last tile) computes that half alone (HV;
+// on the 8-slot tiles both warpgroups take that half's slots, each over half of the token
+// columns: SPLIT).
 // With HALVES = 1 (large and wide tiles) warp w computes slot w: on the large tiles 16
 // converting warps per SM hide the dequantization's latency twice as well as 8 (KERNEL_NOTES
 // run 20); the wide tiles have 8, each converted fragment serving twice the columns.
