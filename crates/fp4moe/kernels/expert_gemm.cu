@@ -373,8 +373,9 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, int bx) {
 // those 4 row groups x the 2 K slices, each slice summed by its own warp and the two added in
 // the same order as the deep warp adds them, so every output keeps its bits, where 4 of the
 // deep block's warps would idle and the other 4 run both slices one after the other. A
-// block-uniform choice (no mma.sync under a divergent branch), non-gated kernels only: beside
-// the deep body the gated kernels spill at their 80 registers. DECODE_TAIL_DEPTH: k groups in
+// block-uniform choice (no mma.sync under a divergent branch), non-gated NVFP4 kernels only:
+// beside the deep body the gated kernels spill at their 80 registers, and bf16 weights have no
+// half kernel whose bits the tests compare. DECODE_TAIL_DEPTH: k groups in
 // flight per warp there (three spill beside the deep body at 64 registers; each warp's chain is
 // half the deep one's). DECODE_TAIL_HALF 0 (for A/B timing through FP4MOE_DEFINES): the deep
 // block as it is.
@@ -386,7 +387,7 @@ __device__ __forceinline__ void gemm_body(const GemmParams& p, int bx) {
 #endif
 template <int KIND, int STAGE, bool GATED, int NSUB, int RG, int NW, int VS>
 __device__ __forceinline__ void decode_body(const GemmParams& p) {
-    if constexpr (VS == 2 && !GATED && DECODE_TAIL_HALF) {
+    if constexpr (VS == 2 && KIND == 0 && !GATED && DECODE_TAIL_HALF) {
         static_assert(RG % 2 == 0 && NW == RG, "a deep block of one warp per row group");
         if (p.rg_out - (int)blockIdx.x * RG <= RG / 2) {
             // Row groups RG·bx .. RG·bx + RG/2 - 1 are the half shape's block 2·bx.

@@ -876,9 +876,9 @@ impl StreamShape {
 }
 
 /// Dynamic shared memory of a decode GEMM block: `8·nsub` activation rows, reused afterwards
-/// for the split-K partial sums (whichever is larger). A deep block whose row groups end within
-/// its first half runs as a half block (`expert_gemm.cu`'s `decode_body`), so the deep shape
-/// also holds the half shape's sums.
+/// for the split-K partial sums (whichever is larger). A non-gated deep block whose row groups
+/// end within its first half runs as a half block (`expert_gemm.cu`'s `decode_body`), so the
+/// non-gated deep shape also holds the half shape's sums.
 pub(super) fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) -> usize {
     let act = 8 * nsub * (pack::padded_k(k) + 8) * 2;
     let red_of = |shape: GemmShape| {
@@ -887,7 +887,7 @@ pub(super) fn gemm_smem(nsub: usize, k: usize, gated: bool, shape: GemmShape) ->
         (ksplit - 1) * rgpb * 32 * nsub * 4 * if gated { 2 } else { 1 } * 4
     };
     let red = match shape.resolve(nsub) {
-        GemmShape::Deep => red_of(GemmShape::Deep).max(red_of(GemmShape::Half)),
+        GemmShape::Deep if !gated => red_of(GemmShape::Deep).max(red_of(GemmShape::Half)),
         shape => red_of(shape),
     };
     act.max(red)
@@ -1036,10 +1036,11 @@ mod tests {
         assert_eq!(GemmShape::Deep.name(2), "wide");
         assert_eq!((GemmShape::Deep.warps(2), GemmShape::Deep.rgpb(2)), (16, 8));
         assert_eq!((GemmShape::Deep.warps(4), GemmShape::Deep.rgpb(4)), (8, 4));
-        // No split-K exchange of its own: its shared memory is the activation rows, or, for a
-        // short K, the half shape's sums (a block whose rows end in its first half runs as one).
+        // No split-K exchange of its own: its shared memory is the activation rows, or, non-gated
+        // and for a short K, the half shape's sums (a block whose rows end in its first half
+        // runs as one).
         assert_eq!(gemm_smem(1, 2688, true, GemmShape::Deep), 8 * 2696 * 2);
-        assert_eq!(gemm_smem(1, 64, true, GemmShape::Deep), 4 * 32 * 8 * 4);
+        assert_eq!(gemm_smem(1, 64, true, GemmShape::Deep), 8 * 72 * 2);
         assert_eq!(gemm_smem(1, 64, false, GemmShape::Deep), 4 * 32 * 4 * 4);
     }
 
