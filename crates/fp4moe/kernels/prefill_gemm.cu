@@ -430,23 +430,18 @@ __device__ __forceinline__ void prefill_epilogue(const GemmParams& p,
     for (int ps = 0; ps < NSUB / PS; ps++) {
         if (ps * PS >= nsub_valid) break;  // block-uniform
         if (ps > 0) __syncthreads();  // the previous pass has read the staging area
-        if constexpr (SPLIT) {
-            constexpr int HS = SLOTS / 2;
-            float* dst = st + slot_local_row<false, SLOTS>(warp % HS) + (warp / HS) * (NC / 2) * EP_TS + g;
+        // Column tiles a warp holds in this pass (SPLIT: its half's, from token column col0).
+        constexpr int SW = SPLIT ? NSUB / 2 : PS;
+        const int col0 = SPLIT ? (warp / (SLOTS / 2)) * (NC / 2) : 0;
 #pragma unroll
-            for (int s = 0; s < NSUB / 2; s++)
+        for (int h = 0; h < HALVES; h++) {
+            const int slot = SPLIT ? warp % (SLOTS / 2) : warp + WARPS * h;
+            float* dst = st + slot_local_row<GATED && STAGE == 1, SLOTS>(slot) + col0 * EP_TS + g;
 #pragma unroll
-                for (int c = 0; c < 4; c++) dst[(8 * s + 2 * q + (c & 1)) * EP_TS + 8 * (c >> 1)] = acc[0][s][c];
-        } else {
+            for (int s = 0; s < SW; s++)
 #pragma unroll
-            for (int h = 0; h < HALVES; h++) {
-                float* dst = st + slot_local_row<GATED && STAGE == 1, SLOTS>(warp + WARPS * h) + g;
-#pragma unroll
-                for (int s = 0; s < PS; s++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++)
-                        dst[(8 * s + 2 * q + (c & 1)) * EP_TS + 8 * (c >> 1)] = acc[h][ps * PS + s][c];
-            }
+                for (int c = 0; c < 4; c++)
+                    dst[(8 * s + 2 * q + (c & 1)) * EP_TS + 8 * (c >> 1)] = acc[h][ps * PS + s][c];
         }
         __syncthreads();
         // Every lane of a warp runs the same iterations (items are a multiple of 32), so the
