@@ -446,7 +446,9 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
 // tokens 16·(w % 4).. and experts 64·(w / 4)..: one m16 x eight n8 MMA tiles), or 16 tokens x 128
 // experts per RB16_WARPS-warp block (router_logits_bf16_t16; warp w computes the tile's 16 tokens
 // and experts (128 / RB16_WARPS)·w..): more, shorter blocks where a batch has few 64-token tiles
-// (a block's k loop is a latency chain). Each logit sees the same MMAs in the same order in both
+// (a block's k loop is a latency chain; 8 warps of two n8 tiles rather than 4 of four: run 215,
+// 14.5 -> 11.4 us at 512 tokens under ncu, routing -1.5 / -3.5 us at 256 / 512 tokens; 16 warps
+// on the 64-token tile were slower, run 214: docs/experiments/router-16warps.patch). Each logit sees the same MMAs in the same order in both
 // (the same 16-token warp groups, so the same exactness test; the same chunks and k split), so
 // both give the same bits. 32-k chunks of x (f32, row stride
 // RB_XLD floats: the lanes' 8-byte fragment reads are conflict-free per half warp) and of the
@@ -489,7 +491,7 @@ __device__ __forceinline__ void bf16x2_mid_lo(float2 v, u32 hi, u32& mid, u32& l
     lo = bf16x2_bits(__floats2bfloat162_rn(r0 - m.x, r1 - m.y));
 }
 #ifndef RB16_WARPS
-#define RB16_WARPS 4
+#define RB16_WARPS 8
 #endif
 static_assert(RB16_WARPS == 2 || RB16_WARPS == 4 || RB16_WARPS == 8, "two n8 tiles per ldmatrix.x4");
 template <int TOK, int WARPS>
