@@ -448,9 +448,9 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
 // and experts (128 / RB16_WARPS)·w..): more, shorter blocks where a batch has few 64-token tiles
 // (a block's k loop is a latency chain; 8 warps of two n8 tiles rather than 4 of four: run 215,
 // 14.5 -> 11.4 us at 512 tokens under ncu, routing -1.5 / -3.5 us at 256 / 512 tokens; 16 warps
-// on the 64-token tile were slower, run 214: docs/experiments/router-16warps.patch). Each logit sees the same MMAs in the same order in both
-// (the same 16-token warp groups, so the same exactness test; the same chunks and k split), so
-// both give the same bits. 32-k chunks of x (f32, row stride
+// on the 64-token tile were slower, run 214: docs/experiments/router-16warps.patch). Each logit
+// sees the same MMAs in the same order in both (the same 16-token warp groups, so the same
+// exactness test; the same chunks and k split), so both give the same bits. 32-k chunks of x (f32, row stride
 // RB_XLD floats: the lanes' 8-byte fragment reads are conflict-free per half warp) and of the
 // bf16 router (row stride RB_WLD: conflict-free ldmatrix) go through an RB_STAGES-deep cp.async
 // ring. wb is the router padded with zeros to a multiple of RB_EXP rows and RB_K columns
