@@ -450,10 +450,10 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
 // 14.5 -> 11.4 us at 512 tokens under ncu, routing -1.5 / -3.5 us at 256 / 512 tokens; 16 warps
 // on the 64-token tile were slower, run 214: docs/experiments/router-16warps.patch). Each logit
 // sees the same MMAs in the same order in both (the same 16-token warp groups, so the same
-// exactness test; the same chunks and k split), so both give the same bits. 32-k chunks of x (f32, row stride
-// RB_XLD floats: the lanes' 8-byte fragment reads are conflict-free per half warp) and of the
-// bf16 router (row stride RB_WLD: conflict-free ldmatrix) go through an RB_STAGES-deep cp.async
-// ring. wb is the router padded with zeros to a multiple of RB_EXP rows and RB_K columns
+// exactness test; the same chunks and k split), so both give the same bits. 32-k chunks of x
+// (f32, row stride RB_XLD floats: the lanes' 8-byte fragment reads are conflict-free per half
+// warp) and of the bf16 router (row stride RB_WLD: conflict-free ldmatrix) go through an
+// RB_STAGES-deep cp.async ring. wb is the router padded with zeros to a multiple of RB_EXP rows and RB_K columns
 // (row stride hidden_pad), so its copies need no bounds; x's need hidden % 4 == 0. Non-finite
 // or huge x (hi rounding to ±inf) gives NaN logits where the f32 sum may give ±inf; x below
 // 2^-110 may lose low bits in lo (bf16 subnormals): outside what activations hold.
@@ -464,26 +464,22 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, const fl
 #define RB_WLD 40
 #define RB_STAGES 4
 #define RB_THREADS 256
-// Two floats (v.x at the lower column) rounded to a packed bf16 pair hi; true when both are
-// bf16 values (hi exact).
-__device__ __forceinline__ bool bf16x2_hi(float2 v, u32& hi) {
-    hi = bf16x2_bits(__floats2bfloat162_rn(v.x, v.y));
-    const float2 h = __bfloat1622float2(bits_bf16x2(hi));
-    return v.x == h.x && v.y == h.y;
-}
 // Two floats' top halves as a packed bf16 pair (v.x in the low half), their low halves OR-ed
 // into `low`. A float is a bf16 value iff its low half is zero, and then its top half is that
-// value, so `low & 0xffff == 0` over a fragment is bf16x2_hi's exactness test and these
-// pairs its hi (bit for bit, NaN aside: a NaN x gives NaN logits either way) at two operations
-// per pair instead of a rounding, two widenings and two compares.
+// value (the pair bf16x2_split rounds to), so `low & 0xffff == 0` over a fragment says every
+// float of it is a bf16 value and these pairs are its hi (bit for bit, NaN aside: a NaN x gives
+// NaN logits either way), at two operations per pair instead of a rounding, two widenings and
+// two compares.
 __device__ __forceinline__ u32 bf16x2_top(float2 v, u32& low) {
     const u32 a = __float_as_uint(v.x), b = __float_as_uint(v.y);
     low |= a | b;
     return __byte_perm(a, b, 0x7632);
 }
-// The rest of v = hi + mid + lo: mid = bf16(v - hi), lo = v - hi - mid (both differences exact;
-// at most 8 significand bits are left for lo).
-__device__ __forceinline__ void bf16x2_mid_lo(float2 v, u32 hi, u32& mid, u32& lo) {
+// Two floats (v.x at the lower column) as v = hi + mid + lo in packed bf16 pairs: hi = bf16(v),
+// mid = bf16(v - hi), lo = v - hi - mid (both differences exact; at most 8 significand bits are
+// left for lo).
+__device__ __forceinline__ void bf16x2_split(float2 v, u32& hi, u32& mid, u32& lo) {
+    hi = bf16x2_bits(__floats2bfloat162_rn(v.x, v.y));
     const float2 h = __bfloat1622float2(bits_bf16x2(hi));
     const float r0 = v.x - h.x, r1 = v.y - h.y;
     mid = bf16x2_bits(__floats2bfloat162_rn(r0, r1));
@@ -562,10 +558,7 @@ __device__ __forceinline__ void router_bf16_tile(const float* __restrict__ x, co
             const bool all_exact = __all_sync(FULL_MASK, (low & 0xffffu) == 0);
             if (!all_exact) {
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    bf16x2_hi(v[i], ah[i]);  // rounded: the top half is not hi where v is inexact
-                    bf16x2_mid_lo(v[i], ah[i], am[i], al[i]);
-                }
+                for (int i = 0; i < 4; i++) bf16x2_split(v[i], ah[i], am[i], al[i]);  // hi rounded
             }
 #pragma unroll
             for (int p = 0; p < NT / 2; p++) {
