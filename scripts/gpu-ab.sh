@@ -10,7 +10,7 @@
 #   AB_VARIANTS="base=.gpu/alt-main/fp4moe new=.gpu/fp4moe knob=.gpu/fp4moe@FP4MOE_PREFILL_TILE=32"
 # Other knobs (defaults): AB_TOKENS (1,8,64,256,1024,4096,16384), AB_PRESETS (nemotron3-nano
 # qwen3-30b-a3b), AB_ROUNDS (2), AB_TESTS (1: run .gpu/tests/*), AB_SWEEP (0: the first variant's
-# sweep over both modes), AB_TORCH (0), AB_DEADLINE (540: seconds after which no new bench
+# sweep over both modes), AB_TORCH (0), AB_YARDSTICKS (0; with AB_TORCH), AB_DEADLINE (540: seconds after which no new bench
 # starts), AB_TEST_TIMEOUT (420: seconds per test executable), AB_TEST_FILTER (test name
 # filters of every cuda_device* executable, e.g. another build's copied in as cuda_device_alt-*;
 # default all), AB_TEST_ENV (VAR=VALUE assignments, space-separated, for the test executables,
@@ -147,6 +147,14 @@ if [ "${AB_TORCH:-0}" = 1 ]; then
     $PY benches/peers/torch_moe.py --preset "$preset" --json "$R/torch-$preset.json" > "$R/torch-$preset.txt" 2>&1
   done
   echo "torch done at $(el) s" >> "$R/progress.txt"
+  # AB_YARDSTICKS=1: what the card reaches on the same bytes and FLOPs (benches/peers/yardsticks.py).
+  if [ "${AB_YARDSTICKS:-0}" = 1 ]; then
+    for preset in nemotron3-nano qwen3-30b-a3b; do
+      [ "$(el)" -gt "$deadline" ] && break
+      $PY benches/peers/yardsticks.py --preset "$preset" --json "$R/yardsticks-$preset.json" > "$R/yardsticks-$preset.txt" 2>&1
+    done
+    echo "yardsticks done at $(el) s" >> "$R/progress.txt"
+  fi
 fi
 cat "$R/progress.txt"
 python3 - "$R" <<'PY'

@@ -64,17 +64,37 @@ def moe(m, x):
 
 
 def bench(m, t, iters, warmup_ms, settle_ms, min_time_ms, busy, device):
-    """Median and min µs of graph replays at t tokens, timed as `fp4moe bench` times them: a
-    warm-up of warmup_ms (and until busy[0], the GPU ms replayed so far, reaches settle_ms),
-    then whole rounds of the four inputs for at least iters replays and min_time_ms."""
+    """Median and min µs of the layer's graph replays at t tokens over four rotating inputs."""
     xs = [torch.randn(t, m["h"], device=device).to(torch.bfloat16) for _ in range(4)]
     static_x = xs[0].clone()
+    graph = graph_of(lambda: moe(m, static_x))
+    items = [(lambda x=x: static_x.copy_(x), graph) for x in xs]
+    return time_replays(items, iters, warmup_ms, settle_ms, min_time_ms, busy)
+
+
+def graph_of(fn):
+    """fn() captured in a CUDA graph after three eager runs."""
     for _ in range(3):
-        moe(m, static_x)
+        fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        moe(m, static_x)
+        fn()
+    return graph
+
+
+def time_replays(items, iters, warmup_ms, settle_ms, min_time_ms, busy):
+    """Median and min µs of graph replays, timed as `fp4moe bench` times them. items: (prepare,
+    graph) pairs replayed in turn, prepare (untimed; None for nothing) before its graph. A
+    warm-up of warmup_ms (and until busy[0], the GPU ms replayed so far, reaches settle_ms),
+    then whole rounds of the items for at least iters replays and min_time_ms."""
+
+    def replay(item):
+        prepare, graph = item
+        if prepare is not None:
+            prepare()
+        return graph
+
     # Untimed replays for at least warmup_ms of GPU time, as `fp4moe bench --warmup-ms`: under a
     # sustained load the H200 reaches its power cap within ~100 ms and lowers its clock; from
     # idle its clock dips hardest ~0.8 s in (`--settle-ms`).
@@ -83,10 +103,9 @@ def bench(m, t, iters, warmup_ms, settle_ms, min_time_ms, busy, device):
     replays = 0
     target = max(warmup_ms, settle_ms - busy[0])
     while True:
-        for x in xs:
-            static_x.copy_(x)
-            graph.replay()
-        replays += len(xs)
+        for item in items:
+            replay(item).replay()
+        replays += len(items)
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         end.synchronize()
@@ -95,10 +114,10 @@ def bench(m, t, iters, warmup_ms, settle_ms, min_time_ms, busy, device):
             break
     # Whole rounds for at least min_time_ms: the clock dips about once a second under the cap.
     n = max(iters, math.ceil(min_time_ms / (warmed / replays)))
-    n = -(-n // len(xs)) * len(xs)
+    n = -(-n // len(items)) * len(items)
     times = []
     for it in range(n + 10):
-        static_x.copy_(xs[it % 4])
+        graph = replay(items[it % len(items)])
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         graph.replay()
