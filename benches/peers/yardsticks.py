@@ -123,7 +123,7 @@ def memory_rows(a, device, busy, dims):
         print(f"{t:>6} {n:>8} {floor:>13.1f} {one_us:>12.1f} {one_us / floor:>7.2f}x "
               f"{two_us:>13.1f} {two_us / floor:>7.2f}x")
         rows.append(dict(tokens=t, experts_touched=n, memory_floor_us=floor, one_read_us=one_us, two_reads_us=two_us))
-    del whole, w13s, w2s
+    del whole, w13s, w2s, big
     torch.cuda.empty_cache()
     return rows, bw
 

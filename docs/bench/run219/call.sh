@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 48 call 1 (run 219): where the prefill GEMMs' distance to the compute floor goes, on
+# Session 48 call 1 (run 219; its benches/peers/bf16_gemm_rate.py was the first form of benches/peers/yardsticks.py, the compute part as committed): where the prefill GEMMs' distance to the compute floor goes, on
 # today's kernels (a854822; wip/ablate-s48 adds timing-only defines, default off, same SASS):
 # `--stages` at 1024/4096/16384, both presets, sustained clock, variants base / nodq
 # (PF_ABLATE_DEQUANT: raw words for the conversion) / noepi (PF_ABLATE_EPI: no epilogue) / none
