@@ -130,18 +130,23 @@ def time_replays(items, iters, warmup_ms, settle_ms, min_time_ms, busy):
     return us[len(us) // 2], us[0]
 
 
-def copy_bandwidth(device):
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
+def best_seconds(fn, runs):
+    """Shortest of `runs` eager runs of fn(), each timed alone by CUDA events."""
     best = 1e9
-    for _ in range(6):
+    for _ in range(runs):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        b.copy_(a)
+        fn()
         e.record()
         torch.cuda.synchronize()
         best = min(best, s.elapsed_time(e) * 1e-3)
-    return 2 * a.numel() / best
+    return best
+
+
+def copy_bandwidth(device):
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / best_seconds(lambda: b.copy_(a), 6)
 
 
 def main():

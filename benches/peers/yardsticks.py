@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from torch_moe import BF16_TFLOPS, PRESETS, copy_bandwidth, graph_of, time_replays
+from torch_moe import BF16_TFLOPS, PRESETS, best_seconds, copy_bandwidth, graph_of, time_replays
 
 
 def square_rate(device, busy, a):
@@ -35,14 +35,7 @@ def square_rate(device, busy, a):
     for _ in range(3):
         x @ w
     torch.cuda.synchronize()
-    best = 1e9
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        x @ w
-        e.record()
-        e.synchronize()
-        best = min(best, s.elapsed_time(e) * 1e-3)
+    best = best_seconds(lambda: x @ w, 10)
     med, _ = time_replays([(None, graph_of(lambda: x @ w))], 20, a.warmup_ms, a.settle_ms, a.min_time_ms, busy)
     flops = 2 * n**3
     return flops / best / 1e12, flops / (med * 1e-6) / 1e12
