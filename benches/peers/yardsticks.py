@@ -15,7 +15,8 @@ DESIGN 5's floors.
   runs at the read rate whatever they hold; int32 sums run at a fifth of it): one sum over every
   touched expert's w13 and w2 bytes, and two dependent ones (w13's, then w2's, as GEMM1 and
   GEMM2 read them). Two weight copies alternate, as in `fp4moe bench`, so the bytes come from
-  DRAM.
+  DRAM wherever both copies' touched experts together exceed L2 (not at one token: 2 x 21 MB
+  for Qwen3-30B-A3B, where the one-token row bounds nothing anyway).
 
 usage: python3 benches/peers/yardsticks.py --preset nemotron3-nano --tokens 1,8,64,256,1024,4096,16384 [--json PATH]
 """
