@@ -90,6 +90,12 @@ pub(crate) struct Args {
     /// whole layer).
     #[arg(long)]
     pub stages: bool,
+    /// CUDA: also time the bare-read yardstick (`bare_read.cu`): the touched experts' weight
+    /// bytes read once with nothing computed, alone, after the layer's own routing, and after
+    /// it as two dependent reads (w13's, then w2's); timed after every size's whole layer, like
+    /// --stages.
+    #[arg(long)]
+    pub bare_reads: bool,
     /// Input sets rotated between runs, each on its own workspace. 1 times the layer as a
     /// model runs it: every replay on one workspace and input, left in L2 by the previous
     /// replay as by the previous layer (the weights still alternate between two copies).
@@ -134,8 +140,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
         BackendArg::Reference => Backend::Reference,
     };
     fp4moe::backend::require(backend, &spec)?;
-    if a.stages && backend != Backend::Cuda {
-        bail!("--stages times CUDA graphs: it needs --backend cuda (or auto on a GPU machine)");
+    for (flag, on) in [("--stages", a.stages), ("--bare-reads", a.bare_reads)] {
+        if on && backend != Backend::Cuda {
+            bail!("{flag} times CUDA graphs: it needs --backend cuda (or auto on a GPU machine)");
+        }
     }
     let mut w = step("quantizing random bf16 weights (ModelOpt recipe)", || {
         random_weights(&spec, a.seed)
@@ -226,6 +234,8 @@ pub(crate) fn run(a: Args) -> Result<()> {
     };
     // Sizes whose stages are timed after the loop: (row, tokens, plan, whole-layer median).
     let mut staged = Vec::new();
+    // Sizes whose bare reads are timed after the loop: (row, tokens, plan, memory floor).
+    let mut bare = Vec::new();
     // Two weight copies, built at the first size and timed at every size.
     let mut cuda_layers = None;
     for &t in &a.tokens {
@@ -254,6 +264,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
                     .with_context(|| format!("{t} tokens"))?;
                 if a.stages {
                     staged.push((rows.len(), t, plan, tm.median_us));
+                }
+                if a.bare_reads {
+                    let floor = touched * expert_bytes / bandwidth * 1e6;
+                    bare.push((rows.len(), t, plan, floor));
                 }
                 (tm.median_us, tm.min_us)
             }
@@ -305,6 +319,32 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 .map(|(n, v)| (n.to_string(), serde_json::json!(v)))
                 .collect();
             rows[i]["stages_us"] = serde_json::Value::Object(map);
+        }
+    }
+    // The yardstick after every size's whole layer, as the stages.
+    if let (Some(layers), false) = (&mut cuda_layers, bare.is_empty()) {
+        println!(
+            "bare reads µs (the touched experts' weight bytes read once, nothing computed; x memory floor)"
+        );
+        for (i, t, plan, floor) in bare {
+            let inputs = make_inputs(t);
+            let us = step(&format!("timing the bare reads at {t} tokens"), || {
+                layers.bare_reads(&inputs, plan)
+            })
+            .with_context(|| format!("{t} tokens, bare reads"))?;
+            let modes = fp4moe::cuda::BareRead::ALL;
+            let named: Vec<String> = modes
+                .iter()
+                .zip(&us)
+                .map(|(m, v)| format!("{} {v:.1} ({:.2}x)", m.name(), v / floor))
+                .collect();
+            println!("{t:>6} {}", named.join(", "));
+            let map: serde_json::Map<String, serde_json::Value> = modes
+                .iter()
+                .zip(&us)
+                .map(|(m, v)| (m.name().to_string(), serde_json::json!(v)))
+                .collect();
+            rows[i]["bare_read_us"] = serde_json::Value::Object(map);
         }
     }
     let doc = serde_json::json!({

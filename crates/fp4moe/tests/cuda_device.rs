@@ -8,8 +8,8 @@ mod common;
 
 use fp4moe::calibration::calibrate_with_router;
 use fp4moe::cuda::{
-    router_bf16_splits, router_wide_splits, CudaLayer, CudaWorkspace, DecodeKernel, GemmPath,
-    GemmShape, PrefillFeed, PrefillTile, RoutePath, RouterKernel, ROUTER_BF16_FROM,
+    router_bf16_splits, router_wide_splits, BareRead, CudaLayer, CudaWorkspace, DecodeKernel,
+    GemmPath, GemmShape, PrefillFeed, PrefillTile, RoutePath, RouterKernel, ROUTER_BF16_FROM,
 };
 use fp4moe::layer_file;
 use fp4moe::moe::relative_l2;
@@ -1587,6 +1587,71 @@ fn router_logits_bf16_keep_every_bit_of_x() {
 
 /// A CUDA graph of `layer.forward_device(ws, None)` (routing from the router weight), captured
 /// after the stream's earlier work has finished.
+/// The bare-read yardstick (`fp4moe bench --bare-reads`, a timing diagnostic) reads the weights
+/// and computes nothing: after it the workspace holds the new batch's routing (or, alone, the
+/// last forward's) and the last forward's output; once it is off, the layer's output is the
+/// one it gave before, bit for bit. Both routing paths, one token (whose layer is one launch
+/// that the yardstick replaces by `route_small`) to the chunked sort, eager and captured.
+#[test]
+fn bare_read_yardstick_routes_and_computes_nothing() {
+    if !common::gpu_available() {
+        return;
+    }
+    let s = spec(512, 256, 32, 4, Activation::Silu, QuantMode::W4A16);
+    let w = random_weights(&s, 21).unwrap();
+    for (route, tokens) in [
+        (RoutePath::Fused, 1),
+        (RoutePath::Fused, 3),
+        (RoutePath::Split, 24),
+        (RoutePath::Split, 1100),
+    ] {
+        let mut layer = CudaLayer::new(&s, &w).unwrap();
+        layer.set_route_path(Some(route));
+        let st = layer.stream().clone();
+        let mut ws = layer.workspace(tokens).unwrap();
+        let (x1, x2) = (
+            random_tokens(tokens, 512, 22),
+            random_tokens(tokens, 512, 23),
+        );
+        let run = |layer: &CudaLayer, ws: &mut CudaWorkspace, x: &[f32], graph: bool| {
+            st.memcpy_htod(x, &mut ws.x).unwrap();
+            if graph {
+                capture_forward(layer, ws).launch().unwrap();
+            } else {
+                layer.forward_device(ws, None).unwrap();
+            }
+            (
+                st.clone_dtoh(&ws.out).unwrap(),
+                st.clone_dtoh(&ws.ids).unwrap(),
+            )
+        };
+        let (y2, ids2) = run(&layer, &mut ws, &x2, false);
+        for graph in [false, true] {
+            for mode in BareRead::ALL {
+                let what = format!("{tokens} tokens, {route:?}, {}, graph {graph}", mode.name());
+                layer.set_bare_read(None).unwrap();
+                let (y1, ids1) = run(&layer, &mut ws, &x1, false);
+                assert_ne!(ids1, ids2, "{what}: the batches route alike");
+                layer.set_bare_read(Some(mode)).unwrap();
+                let (y, ids) = run(&layer, &mut ws, &x2, graph);
+                let want = if mode == BareRead::Alone {
+                    &ids1
+                } else {
+                    &ids2
+                };
+                assert_eq!(&ids, want, "{what}: routing");
+                assert!(same_bits(&y, &y1), "{what}: the output was written");
+            }
+        }
+        layer.set_bare_read(None).unwrap();
+        let (y, _) = run(&layer, &mut ws, &x2, false);
+        assert!(
+            same_bits(&y, &y2),
+            "{tokens} tokens, {route:?}: the layer after the yardstick"
+        );
+    }
+}
+
 fn capture_forward(layer: &CudaLayer, ws: &mut CudaWorkspace) -> cudarc::driver::CudaGraph {
     let st = layer.stream().clone();
     st.synchronize().unwrap();

@@ -173,6 +173,33 @@ impl BenchLayers {
     }
 }
 
+impl BenchLayers {
+    /// Medians of the bare-read yardstick at `tokens`-token batches, one per
+    /// [`super::BareRead::ALL`], as [`BenchLayers::time`] replays the layer. Alone, each graph
+    /// reads the experts its workspace's eager forward grouped.
+    pub fn bare_reads(&mut self, inputs: &[Vec<f32>], plan: TimingPlan) -> Result<[f64; 3]> {
+        let mut wss = self.workspaces(inputs)?;
+        let mut medians = [0.0; 3];
+        let mut result = Ok(());
+        for (m, mode) in super::BareRead::ALL.into_iter().enumerate() {
+            result = self
+                .layers
+                .iter_mut()
+                .try_for_each(|l| l.set_bare_read(Some(mode)))
+                .and_then(|()| replay_times(&self.layers, &mut wss, &plan, &mut self.busy_ms))
+                .map(|t| medians[m] = t[t.len() / 2]);
+            if result.is_err() {
+                break;
+            }
+        }
+        // The layer again, whether or not the yardstick ran.
+        for layer in self.layers.iter_mut() {
+            layer.set_bare_read(None)?;
+        }
+        result.map(|()| medians)
+    }
+}
+
 /// Median µs of the graphs cut after 1, 2, … of [`super::STAGES`] (all but the last stage).
 fn stage_prefixes(
     layers: &mut [CudaLayer],

@@ -38,8 +38,9 @@ pub const HEADERS: [(&str, &str); 6] = [
 ];
 
 /// Kernel files, one pipeline stage each; `route_small.cu` fuses the first four stages for small
-/// batches, `one_token.cu` the whole layer for one token.
-pub const SOURCES: [(&str, &str); 9] = [
+/// batches, `one_token.cu` the whole layer for one token; `bare_read.cu` is a timing yardstick
+/// (`fp4moe bench --bare-reads`), not part of the layer.
+pub const SOURCES: [(&str, &str); 10] = [
     ("routing.cu", include_str!("../../kernels/routing.cu")),
     ("sort_pairs.cu", include_str!("../../kernels/sort_pairs.cu")),
     (
@@ -64,6 +65,7 @@ pub const SOURCES: [(&str, &str); 9] = [
         include_str!("../../kernels/route_small.cu"),
     ),
     ("one_token.cu", include_str!("../../kernels/one_token.cu")),
+    ("bare_read.cu", include_str!("../../kernels/bare_read.cu")),
 ];
 
 /// The text of kernel source or header `file` (tests tie host constants and structs to the
@@ -122,6 +124,7 @@ pub fn kernel_names(file: &str) -> Vec<String> {
         "route_small.cu" => &["route_small"],
         "one_token.cu" => &["one_token_plain", "one_token_gated"],
         "combine.cu" => &["combine"],
+        "bare_read.cu" => &["bare_read"],
         "prefill_gemm.cu" => &[
             "prefill_gemm1_gated",
             "prefill_gemm1_plain",

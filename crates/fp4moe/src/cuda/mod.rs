@@ -18,6 +18,7 @@
 //! A machine without a driver never reaches cudarc's loaders: [`device`] checks
 //! `is_culib_present()` first and reports [`Error::CudaUnavailable`].
 
+mod bare_read;
 pub mod bench;
 mod compile;
 mod gemm_launch;
@@ -27,6 +28,7 @@ pub mod pack;
 mod route_launch;
 mod route_plan;
 
+pub use bare_read::BareRead;
 pub use compile::{
     compile, include_dir, nvrtc_version, parse_ptxas, serialized_wgmma, CompileError, Compiled,
     KernelUsage, SOURCES,
@@ -592,6 +594,9 @@ pub struct CudaLayer {
     one_token_shapes: Mutex<Vec<one_token::CachedShape>>,
     /// Forwards stop after this many of [`STAGES`] (timing diagnostics).
     stage_limit: Option<usize>,
+    /// Forwards run this yardstick instead of the layer, with its sink word
+    /// ([`CudaLayer::set_bare_read`], a timing diagnostic).
+    bare_read: Option<(BareRead, CudaSlice<u32>)>,
 }
 
 /// The stages [`CudaLayer::set_stage_limit`] counts: routing (with pair grouping and input
@@ -716,6 +721,7 @@ impl CudaLayer {
             one_token: None,
             one_token_shapes: Mutex::new(Vec::new()),
             stage_limit: None,
+            bare_read: None,
         })
     }
 
@@ -1157,6 +1163,9 @@ impl CudaLayer {
     ) -> Result<()> {
         if ws.tokens == 0 {
             return Ok(());
+        }
+        if let Some((mode, sink)) = &self.bare_read {
+            return self.bare_read_device(ws, *mode, sink);
         }
         let sorted = match self.route_path_for(ws.tokens) {
             RoutePath::Fused => {

@@ -1,0 +1,163 @@
+//! A timing yardstick for `fp4moe bench --bare-reads`, not part of the layer: `bare_read.cu`
+//! reads every byte of the routed experts' weights (w13's and w2's packed data and scales) once
+//! and computes nothing. Run after the layer's own routing it is the least a layer that keeps
+//! this routing and reads each weight once can take; run alone (over the grouping the
+//! workspace's last forward left), the least the touched weights' bytes take in one launch.
+//! Against the memory floor (DESIGN 5: the same bytes at the measured copy bandwidth) the
+//! second says what one kernel's ramp and tail add, the first what routing adds to that.
+
+use super::{ptr, CudaLayer, CudaWorkspace, DeviceProjection, RoutePath, RouteSource};
+use crate::error::Result;
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+/// What a bare-read forward runs in place of the layer ([`CudaLayer::set_bare_read`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BareRead {
+    /// The read alone, over the grouping the workspace's last forward left.
+    Alone,
+    /// The layer's routing on the path it takes for the batch (never the one-token layer,
+    /// whose routing is inside its one launch), then the read.
+    AfterRouting,
+    /// The layer's routing, then w13's bytes, then w2's in a second launch that waits for the
+    /// first to end, as GEMM2 waits for GEMM1.
+    AfterRoutingTwoReads,
+}
+
+impl BareRead {
+    pub const ALL: [BareRead; 3] = [
+        BareRead::Alone,
+        BareRead::AfterRouting,
+        BareRead::AfterRoutingTwoReads,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BareRead::Alone => "alone",
+            BareRead::AfterRouting => "after routing",
+            BareRead::AfterRoutingTwoReads => "after routing, w13 then w2",
+        }
+    }
+}
+
+/// `bare_read.cu`'s BR_UNROLL and BR_THREADS: a chunk is BR_UNROLL·BR_THREADS 16-byte vectors.
+const BR_UNROLL: usize = 8;
+const BR_THREADS: usize = 256;
+/// Blocks per SM: 8 x 32 KB of loads in flight, several times what DRAM's latency needs.
+const BR_BLOCKS_PER_SM: usize = 8;
+
+/// Expert e's region of `bytes` (all experts' bytes of one kind, `experts` equal slices) in
+/// 16-byte vectors, and its chunks.
+fn region(bytes: usize, experts: usize) -> (u64, i32) {
+    let len = bytes / experts.max(1) / 16;
+    (len as u64, len.div_ceil(BR_UNROLL * BR_THREADS) as i32)
+}
+
+impl CudaLayer {
+    /// Makes later forwards run the yardstick `mode` instead of the layer (`None`: the layer).
+    /// A timing diagnostic: a bare-read forward leaves the output unwritten.
+    pub fn set_bare_read(&mut self, mode: Option<BareRead>) -> Result<()> {
+        self.bare_read = match mode {
+            None => None,
+            Some(m) => {
+                let sink = self
+                    .dev
+                    .stream
+                    .alloc_zeros::<u32>(1)
+                    .map_err(super::driver_err("bare-read sink"))?;
+                Some((m, sink))
+            }
+        };
+        Ok(())
+    }
+
+    pub(super) fn bare_read_device(
+        &self,
+        ws: &mut CudaWorkspace,
+        mode: BareRead,
+        sink: &CudaSlice<u32>,
+    ) -> Result<()> {
+        if mode != BareRead::Alone {
+            match self.route_path_for(ws.tokens) {
+                RoutePath::Fused => self.route_small(ws, RouteSource::Router)?,
+                RoutePath::Split => {
+                    self.route_device(ws, None)?;
+                    self.group_device(ws, self.gemm1_reads_sorted(ws.tokens))?;
+                }
+            }
+        }
+        if mode == BareRead::AfterRoutingTwoReads {
+            self.bare_read_launch(ws, sink, [true, false])?;
+            self.bare_read_launch(ws, sink, [false, true])
+        } else {
+            self.bare_read_launch(ws, sink, [true, true])
+        }
+    }
+
+    /// One `bare_read` launch over the active experts' w13 bytes, w2 bytes or both (`which`).
+    fn bare_read_launch(
+        &self,
+        ws: &CudaWorkspace,
+        sink: &CudaSlice<u32>,
+        which: [bool; 2],
+    ) -> Result<()> {
+        let st = &self.dev.stream;
+        let e = self.spec.shape.experts;
+        let parts: [&DeviceProjection; 2] = [&self.w13, &self.w2];
+        let mut bases = [0u64; 4];
+        let mut lens = [0u64; 4];
+        let mut chunks = [0i32; 4];
+        for (i, p) in parts.iter().enumerate() {
+            for (j, s) in [&p.data, &p.scales].into_iter().enumerate() {
+                let r = 2 * i + j;
+                bases[r] = ptr(s, st);
+                (lens[r], chunks[r]) = region(s.len(), e);
+                if !which[i] {
+                    chunks[r] = 0;
+                }
+            }
+        }
+        let (active, num_active, sink) =
+            (ptr(&ws.active, st), ptr(&ws.num_active, st), ptr(sink, st));
+        let cfg = LaunchConfig {
+            grid_dim: ((self.dev.sms * BR_BLOCKS_PER_SM) as u32, 1, 1),
+            block_dim: (BR_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // `bare_read(4 x const uint4*, 4 x unsigned long long, 4 x int, const int*, const int*, unsigned*)`.
+        self.launch("bare_read", cfg, |b| {
+            for base in &bases {
+                b.arg(base);
+            }
+            for len in &lens {
+                b.arg(len);
+            }
+            for c in &chunks {
+                b.arg(c);
+            }
+            b.arg(&active).arg(&num_active).arg(&sink);
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::compile::kernel_define;
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernel() {
+        assert_eq!(kernel_define("bare_read.cu", "BR_UNROLL"), BR_UNROLL);
+        assert_eq!(kernel_define("bare_read.cu", "BR_THREADS"), BR_THREADS);
+    }
+
+    #[test]
+    fn regions_cover_each_expert_in_whole_chunks() {
+        // Nemotron-3 Nano's w13 data: 128 experts x 116 row groups x 42 k groups x 512 bytes.
+        let bytes = 128 * 116 * 42 * 512;
+        let (len, chunks) = region(bytes, 128);
+        assert_eq!(len as usize * 16 * 128, bytes);
+        let span = (BR_UNROLL * BR_THREADS) as u64;
+        assert!(chunks as u64 * span >= len && (chunks as u64 - 1) * span < len);
+        assert_eq!(region(0, 128), (0, 0));
+    }
+}
