@@ -22,12 +22,14 @@ pub(super) const SLOT_COUNT_INTS: usize = 576;
 /// Largest token count routed by the fused `route_small` kernel by default. The fused kernel
 /// saves three launches but runs top-k, the sort and the input preparation of the whole batch
 /// in one block. Measured on the H200 (W4A16, µs per layer, fused / split, the split path's
-/// launches programmatic): run 138, Nemotron-3 Nano 2 tokens 43.9 / 45.4, 3 51.5 / 52.9, 4
-/// 67.6 / 65.8, 6 82.3 / 79.1; Qwen3-30B-A3B 2 35.4 / 36.6, 3 52.1 / 53.4, 4 55.5 / 57.0, 5
-/// 62.5 / 60.4. (Run 22, before `route_small`'s top-k and grouping were rebuilt and the split
-/// path's launches became programmatic, had it ahead at one token only.) One token takes
+/// launches programmatic, means of three rounds): run 227 (KERNEL_NOTES session 49), Nemotron-3
+/// Nano 2 tokens 39.8 / 40.0, 3 47.4 / 45.7, 4 54.3 / 52.7, 8 82.5 / 76.5; Qwen3-30B-A3B 2 34.3
+/// / 33.9, 3 41.4 / 38.9, 4 43.8 / 41.7 (a tie at two tokens, kept fused; split ahead from
+/// three on both presets). Run 138 had set 3 (Nemotron 3 tokens 51.5 / 52.9), before the
+/// one-block sort (`sort_pairs_few`) and the register top-k lost their serial sections: both
+/// paths run that code, but the split path spreads the top-k over blocks. One token takes
 /// `one_token` where it applies.
-pub const ROUTE_FUSED_MAX_TOKENS: usize = 3;
+pub const ROUTE_FUSED_MAX_TOKENS: usize = 2;
 
 /// Most warps of `route_small`'s top-k phase (one token each, looping beyond): bounds its
 /// shared scratch of `2·E + 64` floats per warp (69.6 KB at E = 512, about the sort's 67.5 KB).
