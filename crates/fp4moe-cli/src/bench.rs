@@ -43,6 +43,26 @@ fn experts_touched(spec: &MoeSpec, w: &MoeWeights, inputs: &[Vec<f32>]) -> f64 {
     total as f64 / inputs.len().max(1) as f64
 }
 
+/// Times (µs) under their names: one printed line of "name text" items (`text` formats a
+/// value) and the JSON object name → µs.
+fn named_us(
+    names: &[&str],
+    values: &[f64],
+    text: impl Fn(f64) -> String,
+) -> (String, serde_json::Value) {
+    let line: Vec<String> = names
+        .iter()
+        .zip(values)
+        .map(|(n, &v)| format!("{n} {}", text(v)))
+        .collect();
+    let map: serde_json::Map<String, serde_json::Value> = names
+        .iter()
+        .zip(values)
+        .map(|(n, &v)| (n.to_string(), serde_json::json!(v)))
+        .collect();
+    (line.join(", "), serde_json::Value::Object(map))
+}
+
 /// `fp4moe bench`'s arguments.
 #[derive(clap::Args, Debug)]
 pub(crate) struct Args {
@@ -307,18 +327,9 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 layers.stages(&inputs, plan, whole)
             })
             .with_context(|| format!("{t} tokens, stages"))?;
-            let named: Vec<String> = fp4moe::cuda::STAGES
-                .iter()
-                .zip(&st)
-                .map(|(n, v)| format!("{n} {v:.1}"))
-                .collect();
-            println!("{t:>6} {}", named.join(", "));
-            let map: serde_json::Map<String, serde_json::Value> = fp4moe::cuda::STAGES
-                .iter()
-                .zip(&st)
-                .map(|(n, v)| (n.to_string(), serde_json::json!(v)))
-                .collect();
-            rows[i]["stages_us"] = serde_json::Value::Object(map);
+            let (line, json) = named_us(&fp4moe::cuda::STAGES, &st, |v| format!("{v:.1}"));
+            println!("{t:>6} {line}");
+            rows[i]["stages_us"] = json;
         }
     }
     // The yardstick after every size's whole layer, as the stages.
@@ -332,19 +343,10 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 layers.bare_reads(&inputs, plan)
             })
             .with_context(|| format!("{t} tokens, bare reads"))?;
-            let modes = fp4moe::cuda::BareRead::ALL;
-            let named: Vec<String> = modes
-                .iter()
-                .zip(&us)
-                .map(|(m, v)| format!("{} {v:.1} ({:.2}x)", m.name(), v / floor))
-                .collect();
-            println!("{t:>6} {}", named.join(", "));
-            let map: serde_json::Map<String, serde_json::Value> = modes
-                .iter()
-                .zip(&us)
-                .map(|(m, v)| (m.name().to_string(), serde_json::json!(v)))
-                .collect();
-            rows[i]["bare_read_us"] = serde_json::Value::Object(map);
+            let names = fp4moe::cuda::BareRead::ALL.map(|m| m.name());
+            let (line, json) = named_us(&names, &us, |v| format!("{v:.1} ({:.2}x)", v / floor));
+            println!("{t:>6} {line}");
+            rows[i]["bare_read_us"] = json;
         }
     }
     let doc = serde_json::json!({
