@@ -261,6 +261,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
     for &t in &a.tokens {
         let inputs = make_inputs(t);
         let touched = experts_touched(&spec, &w, &inputs);
+        let mem_floor = touched * expert_bytes / bandwidth * 1e6;
         let (median, min) = match backend {
             Backend::Cuda => {
                 let iters = a
@@ -286,8 +287,7 @@ pub(crate) fn run(a: Args) -> Result<()> {
                     staged.push((rows.len(), t, plan, tm.median_us));
                 }
                 if a.bare_reads {
-                    let floor = touched * expert_bytes / bandwidth * 1e6;
-                    bare.push((rows.len(), t, plan, floor));
+                    bare.push((rows.len(), t, plan, mem_floor));
                 }
                 (tm.median_us, tm.min_us)
             }
@@ -298,7 +298,6 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 host_times(&layer, &inputs, iters).with_context(|| format!("{t} tokens"))?
             }
         };
-        let mem_floor = touched * expert_bytes / bandwidth * 1e6;
         let flops = 2.0 * t as f64 * k as f64 * per_expert_weights;
         let comp_floor = tflops_floor.map(|r| flops / (r * 1e12) * 1e6);
         let floor = comp_floor.map_or(mem_floor, |c| mem_floor.max(c));
@@ -343,10 +342,11 @@ pub(crate) fn run(a: Args) -> Result<()> {
                 layers.bare_reads(&inputs, plan)
             })
             .with_context(|| format!("{t} tokens, bare reads"))?;
-            let names = fp4moe::cuda::BareRead::ALL.map(|m| m.name());
-            let (line, json) = named_us(&names, &us, |v| format!("{v:.1} ({:.2}x)", v / floor));
+            let modes = fp4moe::cuda::BareRead::ALL;
+            let text = |v: f64| format!("{v:.1} ({:.2}x)", v / floor);
+            let (line, _) = named_us(&modes.map(|m| m.name()), &us, text);
             println!("{t:>6} {line}");
-            rows[i]["bare_read_us"] = json;
+            rows[i]["bare_read_us"] = named_us(&modes.map(|m| m.key()), &us, text).1;
         }
     }
     let doc = serde_json::json!({

@@ -8,16 +8,17 @@
 // base[r] + e·len[r], cuda/pack.rs's per-expert layout), cut into chunks of BR_UNROLL·blockDim
 // vectors (`chunks[r]` per expert); block b takes chunks b, b + gridDim.x, ... and each thread
 // issues BR_UNROLL 16-byte streaming loads per chunk (ptxas keeps two or three in flight at 32
-// registers; with 8 blocks of 256 threads per SM that is ~80 KB per SM, more than DRAM's
-// latency needs). The XOR of everything a thread read is
-// compared with a constant and counted into `sink` on a match, so no load is dead code (a match
-// only costs one atomic).
+// registers; with BR_BLOCKS blocks of BR_THREADS threads per SM that is ~80 KB per SM, more than
+// DRAM's latency needs). `sink[b]` += the vectors block b read (one store per block, no atomics
+// on a shared word: the host checks the total); `sink[gridDim.x]` counts the threads whose XOR
+// of everything they read equals a constant, so no load is dead code.
 #include "common.cuh"
 
 #define BR_UNROLL 8
 #define BR_THREADS 256
+#define BR_BLOCKS 8  // per SM: 2048 threads at 32 registers
 
-extern "C" __global__ void __launch_bounds__(BR_THREADS) bare_read(
+extern "C" __global__ void __launch_bounds__(BR_THREADS, BR_BLOCKS) bare_read(
     const uint4* __restrict__ base0, const uint4* __restrict__ base1, const uint4* __restrict__ base2,
     const uint4* __restrict__ base3, unsigned long long len0, unsigned long long len1,
     unsigned long long len2, unsigned long long len3, int chunks0,
@@ -28,7 +29,7 @@ extern "C" __global__ void __launch_bounds__(BR_THREADS) bare_read(
     const int per = chunks0 + chunks1 + chunks2 + chunks3;
     const int total = *num_active * per;
     const unsigned long long span = (unsigned long long)BR_UNROLL * BR_THREADS;
-    u32 acc = 0;
+    u32 acc = 0, read = 0;
     for (int c = blockIdx.x; c < total; c += gridDim.x) {
         const int j = c / per;
         int r = c - j * per;
@@ -51,9 +52,20 @@ extern "C" __global__ void __launch_bounds__(BR_THREADS) bare_read(
         for (int u = 0; u < BR_UNROLL; u++) {
             const unsigned long long i = lo + u * BR_THREADS;
             v[u] = i < len ? __ldcs(src + i) : make_uint4(0, 0, 0, 0);
+            read += i < len;
         }
 #pragma unroll
         for (int u = 0; u < BR_UNROLL; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
     }
-    if (acc == 0x9E3779B9u) atomicAdd(sink, 1u);
+    if (acc == 0x9E3779B9u) atomicAdd(sink + gridDim.x, 1u);
+    // The block's count: warp sums, then one thread adds them to the block's own word.
+    __shared__ u32 warp_read[BR_THREADS / 32];
+    read = __reduce_add_sync(0xffffffffu, read);
+    if ((threadIdx.x & 31) == 0) warp_read[threadIdx.x >> 5] = read;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 n = 0;
+        for (int w = 0; w < BR_THREADS / 32; w++) n += warp_read[w];
+        sink[blockIdx.x] += n;
+    }
 }

@@ -1585,13 +1585,12 @@ fn router_logits_bf16_keep_every_bit_of_x() {
     }
 }
 
-/// A CUDA graph of `layer.forward_device(ws, None)` (routing from the router weight), captured
-/// after the stream's earlier work has finished.
 /// The bare-read yardstick (`fp4moe bench --bare-reads`, a timing diagnostic) reads the weights
-/// and computes nothing: after it the workspace holds the new batch's routing (or, alone, the
-/// last forward's) and the last forward's output; once it is off, the layer's output is the
-/// one it gave before, bit for bit. Both routing paths, one token (whose layer is one launch
-/// that the yardstick replaces by `route_small`) to the chunked sort, eager and captured.
+/// and computes nothing: after it the workspace holds the new batch's routing and grouping (or,
+/// alone, the last forward's), its launches read exactly the active experts' weight vectors
+/// once, and the output is the last forward's; once it is off, the layer's output is the one it
+/// gave before, bit for bit. Both routing paths, one token (whose layer is one launch that the
+/// yardstick replaces by `route_small`) to the chunked sort, eager and captured.
 #[test]
 fn bare_read_yardstick_routes_and_computes_nothing() {
     if !common::gpu_available() {
@@ -1626,20 +1625,29 @@ fn bare_read_yardstick_routes_and_computes_nothing() {
             )
         };
         let (y2, ids2) = run(&layer, &mut ws, &x2, false);
+        let active2 = ws.grouping(&st).unwrap().active;
         for graph in [false, true] {
             for mode in BareRead::ALL {
                 let what = format!("{tokens} tokens, {route:?}, {}, graph {graph}", mode.name());
                 layer.set_bare_read(None).unwrap();
                 let (y1, ids1) = run(&layer, &mut ws, &x1, false);
+                let active1 = ws.grouping(&st).unwrap().active;
                 assert_ne!(ids1, ids2, "{what}: the batches route alike");
                 layer.set_bare_read(Some(mode)).unwrap();
                 let (y, ids) = run(&layer, &mut ws, &x2, graph);
-                let want = if mode == BareRead::Alone {
-                    &ids1
-                } else {
-                    &ids2
-                };
-                assert_eq!(&ids, want, "{what}: routing");
+                let alone = mode == BareRead::Alone;
+                assert_eq!(&ids, if alone { &ids1 } else { &ids2 }, "{what}: routing");
+                let active = ws.grouping(&st).unwrap().active;
+                assert_eq!(
+                    &active,
+                    if alone { &active1 } else { &active2 },
+                    "{what}: grouping"
+                );
+                let (read, once) = layer.bare_read_vectors(&ws).unwrap().unwrap();
+                assert!(
+                    once > 0 && read == once,
+                    "{what}: read {read} vectors of {once}"
+                );
                 assert!(same_bits(&y, &y1), "{what}: the output was written");
             }
         }
@@ -1652,6 +1660,8 @@ fn bare_read_yardstick_routes_and_computes_nothing() {
     }
 }
 
+/// A CUDA graph of `layer.forward_device(ws, None)` (routing from the router weight), captured
+/// after the stream's earlier work has finished.
 fn capture_forward(layer: &CudaLayer, ws: &mut CudaWorkspace) -> cudarc::driver::CudaGraph {
     let st = layer.stream().clone();
     st.synchronize().unwrap();

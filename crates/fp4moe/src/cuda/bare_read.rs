@@ -30,6 +30,7 @@ impl BareRead {
         BareRead::AfterRoutingTwoReads,
     ];
 
+    /// The mode as `fp4moe bench` prints it.
     pub fn name(self) -> &'static str {
         match self {
             BareRead::Alone => "alone",
@@ -37,50 +38,107 @@ impl BareRead {
             BareRead::AfterRoutingTwoReads => "after routing, w13 then w2",
         }
     }
+
+    /// The mode's key in `fp4moe bench --json`'s `bare_read_us`.
+    pub fn key(self) -> &'static str {
+        match self {
+            BareRead::Alone => "alone",
+            BareRead::AfterRouting => "after_routing",
+            BareRead::AfterRoutingTwoReads => "after_routing_two_reads",
+        }
+    }
 }
 
-/// `bare_read.cu`'s BR_UNROLL and BR_THREADS: a chunk is BR_UNROLL·BR_THREADS 16-byte vectors.
+/// `bare_read.cu`'s BR_UNROLL, BR_THREADS and BR_BLOCKS: a chunk is BR_UNROLL·BR_THREADS
+/// 16-byte vectors; BR_BLOCKS blocks per SM (2048 threads at the kernel's 32 registers).
 const BR_UNROLL: usize = 8;
 const BR_THREADS: usize = 256;
-/// Blocks per SM: 8 x 32 KB of loads in flight, several times what DRAM's latency needs.
-const BR_BLOCKS_PER_SM: usize = 8;
+const BR_BLOCKS: usize = 8;
 
-/// Expert e's region of `bytes` (all experts' bytes of one kind, `experts` equal slices) in
-/// 16-byte vectors, and its chunks.
+/// Expert e's region of `bytes` (all experts' bytes of one kind in `experts` equal slices:
+/// `pack::pack_nvfp4` gives each expert rg_n·kg·512 data and rg_n·kg·64 scale bytes, multiples
+/// of 16) in 16-byte vectors, and its chunks.
 fn region(bytes: usize, experts: usize) -> (u64, i32) {
+    debug_assert_eq!(
+        bytes % (experts.max(1) * 16),
+        0,
+        "per-expert regions of whole vectors"
+    );
     let len = bytes / experts.max(1) / 16;
     (len as u64, len.div_ceil(BR_UNROLL * BR_THREADS) as i32)
 }
 
 impl CudaLayer {
     /// Makes later forwards run the yardstick `mode` instead of the layer (`None`: the layer).
-    /// A timing diagnostic: a bare-read forward leaves the output unwritten.
+    /// A timing diagnostic: a bare-read forward leaves the output unwritten. Each call zeroes
+    /// the counts [`CudaLayer::bare_read_vectors`] reads (one buffer per layer, so graphs
+    /// captured under an earlier mode keep a valid one).
     pub fn set_bare_read(&mut self, mode: Option<BareRead>) -> Result<()> {
-        self.bare_read = match mode {
-            None => None,
-            Some(m) => {
-                let sink = self
-                    .dev
-                    .stream
-                    .alloc_zeros::<u32>(1)
-                    .map_err(super::driver_err("bare-read sink"))?;
-                Some((m, sink))
-            }
+        let Some(mode) = mode else {
+            self.bare_read = None;
+            return Ok(());
         };
+        let st = &self.dev.stream;
+        let mut sink = match self.bare_read_sink.take() {
+            Some(s) => s,
+            None => st
+                .alloc_zeros::<u32>(self.dev.sms * BR_BLOCKS + 1)
+                .map_err(super::driver_err("bare-read counts"))?,
+        };
+        let zeroed = st
+            .memset_zeros(&mut sink)
+            .map_err(super::driver_err("bare-read counts"));
+        self.bare_read_sink = Some(sink);
+        zeroed?;
+        self.bare_read = Some(mode);
         Ok(())
+    }
+
+    /// The 16-byte vectors the yardstick's launches read since [`CudaLayer::set_bare_read`],
+    /// and the vectors one read of the active experts of `ws`'s last grouping covers
+    /// (synchronizing). `None` before the first `set_bare_read`.
+    pub fn bare_read_vectors(&self, ws: &CudaWorkspace) -> Result<Option<(u64, u64)>> {
+        let Some(sink) = &self.bare_read_sink else {
+            return Ok(None);
+        };
+        let st = &self.dev.stream;
+        let counts = st
+            .clone_dtoh(sink)
+            .map_err(super::driver_err("bare-read counts"))?;
+        let read = counts[..counts.len() - 1]
+            .iter()
+            .map(|&c| u64::from(c))
+            .sum();
+        let active = ws.grouping(st)?.active.len() as u64;
+        let e = self.spec.shape.experts;
+        let per: u64 = [&self.w13, &self.w2]
+            .iter()
+            .flat_map(|p| [p.data.len(), p.scales.len()])
+            .map(|b| region(b, e).0)
+            .sum();
+        Ok(Some((read, active * per)))
     }
 
     pub(super) fn bare_read_device(
         &self,
         ws: &mut CudaWorkspace,
+        logits: Option<&CudaSlice<f32>>,
         mode: BareRead,
-        sink: &CudaSlice<u32>,
     ) -> Result<()> {
+        let Some(sink) = &self.bare_read_sink else {
+            return Err(crate::error::Error::arg(
+                "bare_read",
+                "set_bare_read allocates the yardstick's counts before it runs",
+            ));
+        };
         if mode != BareRead::Alone {
             match self.route_path_for(ws.tokens) {
-                RoutePath::Fused => self.route_small(ws, RouteSource::Router)?,
+                RoutePath::Fused => {
+                    let source = logits.map_or(RouteSource::Router, RouteSource::Logits);
+                    self.route_small(ws, source)?
+                }
                 RoutePath::Split => {
-                    self.route_device(ws, None)?;
+                    self.route_device(ws, logits)?;
                     self.group_device(ws, self.gemm1_reads_sorted(ws.tokens))?;
                 }
             }
@@ -119,7 +177,7 @@ impl CudaLayer {
         let (active, num_active, sink) =
             (ptr(&ws.active, st), ptr(&ws.num_active, st), ptr(sink, st));
         let cfg = LaunchConfig {
-            grid_dim: ((self.dev.sms * BR_BLOCKS_PER_SM) as u32, 1, 1),
+            grid_dim: ((self.dev.sms * BR_BLOCKS) as u32, 1, 1),
             block_dim: (BR_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -148,11 +206,13 @@ mod tests {
     fn constants_match_the_kernel() {
         assert_eq!(kernel_define("bare_read.cu", "BR_UNROLL"), BR_UNROLL);
         assert_eq!(kernel_define("bare_read.cu", "BR_THREADS"), BR_THREADS);
+        assert_eq!(kernel_define("bare_read.cu", "BR_BLOCKS"), BR_BLOCKS);
     }
 
     #[test]
     fn regions_cover_each_expert_in_whole_chunks() {
-        // Nemotron-3 Nano's w13 data: 128 experts x 116 row groups x 42 k groups x 512 bytes.
+        // Nemotron-3 Nano's w13 data as pack::pack_nvfp4 lays it out: 128 experts x 116 row
+        // groups x 42 k groups x 512 bytes.
         let bytes = 128 * 116 * 42 * 512;
         let (len, chunks) = region(bytes, 128);
         assert_eq!(len as usize * 16 * 128, bytes);

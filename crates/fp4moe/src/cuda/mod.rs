@@ -594,9 +594,11 @@ pub struct CudaLayer {
     one_token_shapes: Mutex<Vec<one_token::CachedShape>>,
     /// Forwards stop after this many of [`STAGES`] (timing diagnostics).
     stage_limit: Option<usize>,
-    /// Forwards run this yardstick instead of the layer, with its sink word
-    /// ([`CudaLayer::set_bare_read`], a timing diagnostic).
-    bare_read: Option<(BareRead, CudaSlice<u32>)>,
+    /// Forwards run this yardstick instead of the layer ([`CudaLayer::set_bare_read`], a
+    /// timing diagnostic; it takes precedence over `stage_limit`).
+    bare_read: Option<BareRead>,
+    /// The yardstick's per-block read counts and its XOR-match word, allocated once.
+    bare_read_sink: Option<CudaSlice<u32>>,
 }
 
 /// The stages [`CudaLayer::set_stage_limit`] counts: routing (with pair grouping and input
@@ -722,6 +724,7 @@ impl CudaLayer {
             one_token_shapes: Mutex::new(Vec::new()),
             stage_limit: None,
             bare_read: None,
+            bare_read_sink: None,
         })
     }
 
@@ -1164,8 +1167,8 @@ impl CudaLayer {
         if ws.tokens == 0 {
             return Ok(());
         }
-        if let Some((mode, sink)) = &self.bare_read {
-            return self.bare_read_device(ws, *mode, sink);
+        if let Some(mode) = self.bare_read {
+            return self.bare_read_device(ws, logits, mode);
         }
         let sorted = match self.route_path_for(ws.tokens) {
             RoutePath::Fused => {
