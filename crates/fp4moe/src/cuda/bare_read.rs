@@ -6,7 +6,7 @@
 //! Against the memory floor (DESIGN 5: the same bytes at the measured copy bandwidth) the
 //! second says what one kernel's ramp and tail add, the first what routing adds to that.
 
-use super::{ptr, CudaLayer, CudaWorkspace, DeviceProjection, RoutePath, RouteSource};
+use super::{ptr, CudaLayer, CudaWorkspace};
 use crate::error::Result;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -69,6 +69,22 @@ fn region(bytes: usize, experts: usize) -> (u64, i32) {
 }
 
 impl CudaLayer {
+    /// The four regions the kernel reads, in its order (w13 data, w13 scales, w2 data, w2
+    /// scales): each one's base pointer, per-expert length in 16-byte vectors and chunks.
+    fn bare_read_regions(&self) -> [(u64, u64, i32); 4] {
+        let (st, e) = (&self.dev.stream, self.spec.shape.experts);
+        let slices = [
+            &self.w13.data,
+            &self.w13.scales,
+            &self.w2.data,
+            &self.w2.scales,
+        ];
+        slices.map(|s| {
+            let (len, chunks) = region(s.len(), e);
+            (ptr(s, st), len, chunks)
+        })
+    }
+
     /// Makes later forwards run the yardstick `mode` instead of the layer (`None`: the layer).
     /// A timing diagnostic: a bare-read forward leaves the output unwritten. Each call zeroes
     /// the counts [`CudaLayer::bare_read_vectors`] reads (one buffer per layer, so graphs
@@ -79,17 +95,13 @@ impl CudaLayer {
             return Ok(());
         };
         let st = &self.dev.stream;
-        let mut sink = match self.bare_read_sink.take() {
-            Some(s) => s,
+        match &mut self.bare_read_sink {
+            Some(sink) => st.memset_zeros(sink),
             None => st
                 .alloc_zeros::<u32>(self.dev.sms * BR_BLOCKS + 1)
-                .map_err(super::driver_err("bare-read counts"))?,
-        };
-        let zeroed = st
-            .memset_zeros(&mut sink)
-            .map_err(super::driver_err("bare-read counts"));
-        self.bare_read_sink = Some(sink);
-        zeroed?;
+                .map(|sink| self.bare_read_sink = Some(sink)),
+        }
+        .map_err(super::driver_err("bare-read counts"))?;
         self.bare_read = Some(mode);
         Ok(())
     }
@@ -110,12 +122,7 @@ impl CudaLayer {
             .map(|&c| u64::from(c))
             .sum();
         let active = ws.grouping(st)?.active.len() as u64;
-        let e = self.spec.shape.experts;
-        let per: u64 = [&self.w13, &self.w2]
-            .iter()
-            .flat_map(|p| [p.data.len(), p.scales.len()])
-            .map(|b| region(b, e).0)
-            .sum();
+        let per: u64 = self.bare_read_regions().iter().map(|r| r.1).sum();
         Ok(Some((read, active * per)))
     }
 
@@ -132,16 +139,7 @@ impl CudaLayer {
             ));
         };
         if mode != BareRead::Alone {
-            match self.route_path_for(ws.tokens) {
-                RoutePath::Fused => {
-                    let source = logits.map_or(RouteSource::Router, RouteSource::Logits);
-                    self.route_small(ws, source)?
-                }
-                RoutePath::Split => {
-                    self.route_device(ws, logits)?;
-                    self.group_device(ws, self.gemm1_reads_sorted(ws.tokens))?;
-                }
-            }
+            self.route_and_group(ws, logits, self.route_path_for(ws.tokens))?;
         }
         if mode == BareRead::AfterRoutingTwoReads {
             self.bare_read_launch(ws, sink, [true, false])?;
@@ -159,19 +157,14 @@ impl CudaLayer {
         which: [bool; 2],
     ) -> Result<()> {
         let st = &self.dev.stream;
-        let e = self.spec.shape.experts;
-        let parts: [&DeviceProjection; 2] = [&self.w13, &self.w2];
-        let mut bases = [0u64; 4];
-        let mut lens = [0u64; 4];
-        let mut chunks = [0i32; 4];
-        for (i, p) in parts.iter().enumerate() {
-            for (j, s) in [&p.data, &p.scales].into_iter().enumerate() {
-                let r = 2 * i + j;
-                bases[r] = ptr(s, st);
-                (lens[r], chunks[r]) = region(s.len(), e);
-                if !which[i] {
-                    chunks[r] = 0;
-                }
+        let regions = self.bare_read_regions();
+        let bases = regions.map(|r| r.0);
+        let lens = regions.map(|r| r.1);
+        // Regions 0-1 are w13's, 2-3 w2's: the projection not read gets no chunks.
+        let mut chunks = regions.map(|r| r.2);
+        for (r, c) in chunks.iter_mut().enumerate() {
+            if !which[r / 2] {
+                *c = 0;
             }
         }
         let (active, num_active, sink) =

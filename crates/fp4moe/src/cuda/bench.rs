@@ -171,9 +171,7 @@ impl BenchLayers {
             })
             .collect())
     }
-}
 
-impl BenchLayers {
     /// Medians of the bare-read yardstick at `tokens`-token batches, one per
     /// [`super::BareRead::ALL`], as [`BenchLayers::time`] replays the layer. Alone, each graph
     /// reads the experts its workspace's eager forward grouped.

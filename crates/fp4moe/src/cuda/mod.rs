@@ -1170,23 +1170,36 @@ impl CudaLayer {
         if let Some(mode) = self.bare_read {
             return self.bare_read_device(ws, logits, mode);
         }
-        let sorted = match self.route_path_for(ws.tokens) {
+        let path = self.route_path_for(ws.tokens);
+        let source = logits.map_or(RouteSource::Router, RouteSource::Logits);
+        if path == RoutePath::Fused && self.one_token(ws, source)? {
+            return Ok(());
+        }
+        let sorted = self.route_and_group(ws, logits, path)?;
+        self.gemms_device(ws, sorted)
+    }
+
+    /// Routing, pair grouping and input preparation on `path` (`route_small`'s one launch, or
+    /// the split kernels), never the one-token layer; returns whether GEMM1 reads the sorted
+    /// operand (`ws.a_sorted`).
+    fn route_and_group(
+        &self,
+        ws: &mut CudaWorkspace,
+        logits: Option<&CudaSlice<f32>>,
+        path: RoutePath,
+    ) -> Result<bool> {
+        match path {
             RoutePath::Fused => {
-                let source = logits.map_or(RouteSource::Router, RouteSource::Logits);
-                if self.one_token(ws, source)? {
-                    return Ok(());
-                }
-                self.route_small(ws, source)?;
-                false
+                self.route_small(ws, logits.map_or(RouteSource::Router, RouteSource::Logits))?;
+                Ok(false)
             }
             RoutePath::Split => {
                 self.route_device(ws, logits)?;
                 let sorted = self.gemm1_reads_sorted(ws.tokens);
                 self.group_device(ws, sorted)?;
-                sorted
+                Ok(sorted)
             }
-        };
-        self.gemms_device(ws, sorted)
+        }
     }
 }
 
